@@ -1,0 +1,734 @@
+//! The index: rootrank's state machine.
+//!
+//! Raw etcd events go in ([`Event`], each with its revision and the time the shell observed
+//! it); the index decodes them, keeps what verdicts need, and returns [`Output`]s for the
+//! shell to act on (metrics, a certificate to persist, a bad record to log). Queries
+//! ([`Index::verdict`] and friends) read it. No I/O, no clock: the shell passes times in.
+//!
+//! Invariants:
+//! - The index at revision N is a function of the etcd state at N (plus, for one revision
+//!   window, live-key deletions the coordinator has not yet persisted as certificates).
+//!   Loading a snapshot at N or applying the history up to N gives the same verdicts.
+//! - A room record is never a culprit unless its origin is `local`; a `shutdown` death is
+//!   never a culprit; a certificate for an old incarnation never marks a newer one down.
+//! - Malformed values are skipped and reported as [`Output::Invalid`]; nothing panics.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
+use std::sync::Arc;
+
+use serde::Serialize;
+
+use crate::ids::{reasons, GroupId, Incarnation, Rank, Reason, RoomId};
+use crate::keys::{KeyKind, Keys};
+use crate::records::{DownSource, ExitInfo, Origin, Peer, RankDown, RankLive, RecordError, RoomFailure};
+use crate::time;
+
+/// Tunables of the verdict rules (SPEC section 5).
+#[derive(Clone, Debug)]
+pub struct IndexConfig {
+    pub prefix: String,
+    /// How long before a room's first record a death still counts (default 60 s).
+    pub death_window_ms: i64,
+    /// Added to the slowest rank's lease TTL while a death could still show up (default 1 s).
+    pub pending_grace_ms: i64,
+    /// Lease TTL assumed for ranks whose live record does not say (default 5 s).
+    pub default_lease_ttl_ms: i64,
+    /// How many recent root causes `/v1/failures` can list.
+    pub root_cause_log: usize,
+}
+
+impl Default for IndexConfig {
+    fn default() -> Self {
+        IndexConfig {
+            prefix: "/rootrank/v1".to_string(),
+            death_window_ms: 60_000,
+            pending_grace_ms: 1_000,
+            default_lease_ttl_ms: 5_000,
+            root_cause_log: 1_024,
+        }
+    }
+}
+
+/// One etcd change, as the watch (or a snapshot read) delivers it.
+#[derive(Clone, Debug)]
+pub enum Event {
+    Put {
+        key: Vec<u8>,
+        value: Vec<u8>,
+        lease: i64,
+        revision: i64,
+        observed_at_ms: i64,
+    },
+    /// `prev_lease` comes from the watch's previous key-value, when the shell asked for it.
+    Delete {
+        key: Vec<u8>,
+        prev_lease: Option<i64>,
+        revision: i64,
+        observed_at_ms: i64,
+    },
+}
+
+impl Event {
+    pub fn revision(&self) -> i64 {
+        match self {
+            Event::Put { revision, .. } | Event::Delete { revision, .. } => *revision,
+        }
+    }
+}
+
+/// What the shell should know or do after an event.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Output {
+    /// A room failure record entered the index (for `rootrank_failure_records_total`).
+    RecordAccepted {
+        group: GroupId,
+        origin: Origin,
+        revision: i64,
+    },
+    /// A room's verdict became `resolved` (for `rootrank_root_causes_total` and
+    /// `rootrank_resolution_seconds`: `observed_ms` minus `first_record_observed_ms`).
+    RoomResolved {
+        room: RoomId,
+        group: GroupId,
+        rank: Rank,
+        reason: Reason,
+        source: &'static str,
+        revision: i64,
+        first_record_observed_ms: i64,
+        observed_ms: i64,
+    },
+    /// A live key vanished with no certificate for its incarnation. The coordinator persists
+    /// this death as a `source: coordinator` certificate so it survives its own restart.
+    LiveKeyVanished {
+        group: GroupId,
+        rank: Rank,
+        incarnation: Incarnation,
+        revision: i64,
+        at_ms: i64,
+        detail: String,
+        host: Option<String>,
+        pid: Option<u32>,
+        registered_revision: i64,
+    },
+    /// A value under the prefix that is not a valid record: skipped.
+    Invalid {
+        kind: &'static str,
+        key: String,
+        error: String,
+        revision: i64,
+    },
+}
+
+#[derive(Debug)]
+pub(crate) struct LiveEntry {
+    pub(crate) record: RankLive,
+    pub(crate) incarnation: Incarnation,
+    pub(crate) registered_revision: i64,
+    pub(crate) registered_at_ms: i64,
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct RankState {
+    pub(crate) live: Option<Arc<LiveEntry>>,
+    /// The last few incarnations (newest last), for host/pid of a dead one and for the
+    /// "re-registered before the room's first record" rule.
+    pub(crate) history: Vec<Arc<LiveEntry>>,
+    pub(crate) last_failure: Option<LastFailure>,
+    /// When each recent incarnation registered, from live records and from certificates
+    /// (which keep it after the live record is gone).
+    pub(crate) registrations: Vec<(Incarnation, i64)>,
+}
+
+impl RankState {
+    fn note_registration(&mut self, inc: Incarnation, revision: i64) {
+        if self.registrations.iter().any(|(i, _)| *i == inc) {
+            return;
+        }
+        self.registrations.push((inc, revision));
+        self.registrations.sort_by_key(|(_, r)| *r);
+        if self.registrations.len() > HISTORY {
+            self.registrations.remove(0);
+        }
+    }
+}
+
+const HISTORY: usize = 8;
+
+#[derive(Clone, Debug, Serialize)]
+pub struct LastFailure {
+    pub room: RoomId,
+    pub reason: Reason,
+    pub at: String,
+    #[serde(skip)]
+    pub revision: i64,
+}
+
+/// How a death is known, from least to most specific. Agent, watchdog and supervisor
+/// certificates are equally specific: the newest one at the key wins.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum DeathEvidence {
+    Vanished,
+    CoordinatorCertificate,
+    Certificate,
+}
+
+#[derive(Clone, Debug)]
+pub(crate) struct Death {
+    /// Ordering key: the earliest revision that revealed this death.
+    pub(crate) revision: i64,
+    pub(crate) at_ms: i64,
+    pub(crate) reason: Reason,
+    pub(crate) detail: String,
+    pub(crate) evidence: DeathEvidence,
+    pub(crate) source: Option<DownSource>,
+    pub(crate) exit: Option<ExitInfo>,
+    pub(crate) log_tail: Option<Vec<String>>,
+    pub(crate) host: Option<String>,
+    pub(crate) pid: Option<u32>,
+    pub(crate) has_certificate: bool,
+}
+
+#[derive(Debug)]
+pub(crate) struct RoomRecord {
+    pub(crate) group: GroupId,
+    pub(crate) rank: Rank,
+    pub(crate) origin: Origin,
+    pub(crate) reason: Reason,
+    pub(crate) detail: Box<str>,
+    pub(crate) at_ms: i64,
+    pub(crate) revision: i64,
+    pub(crate) incarnation: Option<Incarnation>,
+    pub(crate) peer: Option<Box<Peer>>,
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct RoomEntry {
+    /// Sorted by revision.
+    pub(crate) records: Vec<RoomRecord>,
+    pub(crate) first_observed_ms: i64,
+    pub(crate) resolved: bool,
+}
+
+#[derive(Clone, Debug, Default)]
+pub(crate) struct GroupInfo {
+    pub(crate) group_size: Option<u32>,
+    pub(crate) role: Option<String>,
+    pub(crate) max_lease_ttl_ms: Option<i64>,
+}
+
+/// A root cause for `/v1/failures`: the culprit of one room, when it resolved.
+#[derive(Clone, Debug, Serialize)]
+pub struct RootCause {
+    pub room: RoomId,
+    pub group: GroupId,
+    pub rank: Rank,
+    pub reason: Reason,
+    pub source: &'static str,
+    pub detail: String,
+    pub at: String,
+    pub revision: i64,
+}
+
+/// See the module docs.
+#[derive(Debug)]
+pub struct Index {
+    pub(crate) config: IndexConfig,
+    pub(crate) keys: Keys,
+    pub(crate) revision: i64,
+    pub(crate) groups: BTreeMap<GroupId, GroupInfo>,
+    pub(crate) ranks: BTreeMap<(GroupId, Rank), RankState>,
+    pub(crate) deaths: BTreeMap<(GroupId, Rank, Incarnation), Death>,
+    pub(crate) rooms: HashMap<RoomId, RoomEntry>,
+    /// Rooms with records in a group and no verdict yet, re-checked when a death lands.
+    pub(crate) unresolved: HashMap<GroupId, HashSet<RoomId>>,
+    pub(crate) root_causes: VecDeque<RootCause>,
+    record_count: usize,
+    interned_reasons: HashSet<Reason>,
+}
+
+impl Index {
+    pub fn new(config: IndexConfig) -> Self {
+        Index {
+            keys: Keys::new(&config.prefix),
+            config,
+            revision: 0,
+            groups: BTreeMap::new(),
+            ranks: BTreeMap::new(),
+            deaths: BTreeMap::new(),
+            rooms: HashMap::new(),
+            unresolved: HashMap::new(),
+            root_causes: VecDeque::new(),
+            record_count: 0,
+            interned_reasons: HashSet::new(),
+        }
+    }
+
+    pub fn config(&self) -> &IndexConfig {
+        &self.config
+    }
+
+    /// The etcd revision the index reflects.
+    pub fn revision(&self) -> i64 {
+        self.revision
+    }
+
+    /// Rooms currently indexed (for `rootrank_index_rooms`).
+    pub fn room_count(&self) -> usize {
+        self.rooms.len()
+    }
+
+    /// Room failure records currently indexed.
+    pub fn record_count(&self) -> usize {
+        self.record_count
+    }
+
+    /// A watch progress notification: nothing changed up to `revision`.
+    pub fn advance_to(&mut self, revision: i64) {
+        self.revision = self.revision.max(revision);
+    }
+
+    /// Loads a snapshot read at `revision`. Key-values are applied in revision order, exactly
+    /// as a watch would have delivered them, so a reloaded index equals a watching one.
+    pub fn load_snapshot(&mut self, mut kvs: Vec<Event>, revision: i64) -> Vec<Output> {
+        kvs.sort_by_key(Event::revision);
+        let mut out = Vec::new();
+        for ev in kvs {
+            out.extend(self.apply(ev));
+        }
+        self.advance_to(revision);
+        out
+    }
+
+    /// Applies one event. Events must come in revision order (as etcd delivers them).
+    pub fn apply(&mut self, event: Event) -> Vec<Output> {
+        let mut out = Vec::new();
+        self.revision = self.revision.max(event.revision());
+        match event {
+            Event::Put {
+                key,
+                value,
+                lease,
+                revision,
+                observed_at_ms,
+            } => self.apply_put(&key, &value, lease, revision, observed_at_ms, &mut out),
+            Event::Delete {
+                key,
+                prev_lease,
+                revision,
+                observed_at_ms,
+            } => self.apply_delete(&key, prev_lease, revision, observed_at_ms, &mut out),
+        }
+        out
+    }
+
+    fn apply_put(&mut self, key: &[u8], value: &[u8], lease: i64, revision: i64, now: i64, out: &mut Vec<Output>) {
+        let invalid = |kind: &'static str, error: String| Output::Invalid {
+            kind,
+            key: String::from_utf8_lossy(key).into_owned(),
+            error,
+            revision,
+        };
+        let Some(kind) = self.keys.parse(key) else {
+            out.push(invalid("key", "not a rootrank key (see SPEC section 4)".into()));
+            return;
+        };
+        match kind {
+            KeyKind::Coordinator | KeyKind::Nixl { .. } => {}
+            KeyKind::Live { group, rank } => match RankLive::parse(value) {
+                Err(e) => out.push(invalid("live", e.to_string())),
+                Ok(rec) if rec.group != group || rec.rank != rank => out.push(invalid(
+                    "live",
+                    RecordError::KeyMismatch(format!("value names {}/{}", rec.group, rec.rank)).to_string(),
+                )),
+                Ok(rec) => match Incarnation::new(lease) {
+                    Err(_) => out.push(invalid(
+                        "live",
+                        "live key without a lease: a live key must ride on the rank's liveness lease".into(),
+                    )),
+                    Ok(inc) => self.put_live(group, rank, rec, inc, revision, now, out),
+                },
+            },
+            KeyKind::Down {
+                group,
+                rank,
+                incarnation,
+            } => match RankDown::parse(value) {
+                Err(e) => out.push(invalid("down", e.to_string())),
+                Ok(rec) if rec.group != group || rec.rank != rank || rec.incarnation != incarnation => {
+                    out.push(invalid(
+                        "down",
+                        RecordError::KeyMismatch(format!("value names {}/{}/{}", rec.group, rec.rank, rec.incarnation))
+                            .to_string(),
+                    ))
+                }
+                Ok(rec) => self.put_down(group, rank, rec, revision, now, out),
+            },
+            KeyKind::Room { group, room, rank } => match RoomFailure::parse(value) {
+                Err(e) => out.push(invalid("room", e.to_string())),
+                Ok(rec) if rec.group != group || rec.rank != rank || rec.room != room => out.push(invalid(
+                    "room",
+                    RecordError::KeyMismatch(format!("value names {}/{}/{}", rec.group, rec.room, rec.rank))
+                        .to_string(),
+                )),
+                Ok(rec) => self.put_room(group, rec, revision, now, out),
+            },
+        }
+    }
+
+    fn apply_delete(&mut self, key: &[u8], prev_lease: Option<i64>, revision: i64, now: i64, out: &mut Vec<Output>) {
+        match self.keys.parse(key) {
+            Some(KeyKind::Live { group, rank }) => {
+                let Some(state) = self.ranks.get_mut(&(group.clone(), rank)) else {
+                    return;
+                };
+                let Some(live) = state.live.clone() else { return };
+                if prev_lease.is_some_and(|l| l != live.incarnation.lease_id()) {
+                    return; // an older incarnation's delete, already handled when it was replaced
+                }
+                state.live = None;
+                let detail = vanished_detail(
+                    &live,
+                    "its live key vanished (lease expired, revoked or deleted) with no down certificate",
+                );
+                self.incarnation_ended(&group, rank, &live, revision, now, detail, out);
+            }
+            Some(KeyKind::Down {
+                group,
+                rank,
+                incarnation,
+            }) => {
+                // The retention lease ran out: the death is history beyond the window.
+                self.deaths.remove(&(group, rank, incarnation));
+            }
+            Some(KeyKind::Room { group, room, rank }) => {
+                let Some(entry) = self.rooms.get_mut(&room) else { return };
+                let before = entry.records.len();
+                entry.records.retain(|r| !(r.group == group && r.rank == rank));
+                self.record_count -= before - entry.records.len();
+                if !entry.records.iter().any(|r| r.group == group) {
+                    if let Some(set) = self.unresolved.get_mut(&group) {
+                        set.remove(&room);
+                    }
+                }
+                if entry.records.is_empty() {
+                    self.rooms.remove(&room);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn put_live(
+        &mut self,
+        group: GroupId,
+        rank: Rank,
+        rec: RankLive,
+        inc: Incarnation,
+        revision: i64,
+        now: i64,
+        out: &mut Vec<Output>,
+    ) {
+        let info = self.groups.entry(group.clone()).or_default();
+        info.group_size = Some(rec.group_size);
+        if rec.role.is_some() {
+            info.role.clone_from(&rec.role);
+        }
+        if let Some(ttl) = rec.lease_ttl_ms {
+            let ttl = i64::try_from(ttl).unwrap_or(i64::MAX);
+            info.max_lease_ttl_ms = Some(info.max_lease_ttl_ms.map_or(ttl, |m| m.max(ttl)));
+        }
+        let state = self.ranks.entry((group.clone(), rank)).or_default();
+        let replaced = match &state.live {
+            Some(cur) if cur.incarnation == inc => {
+                // Same incarnation re-published its record: keep when it registered.
+                let entry = Arc::new(LiveEntry {
+                    record: rec,
+                    incarnation: inc,
+                    registered_revision: cur.registered_revision,
+                    registered_at_ms: cur.registered_at_ms,
+                });
+                if let Some(h) = state.history.iter_mut().find(|h| h.incarnation == inc) {
+                    *h = entry.clone();
+                }
+                state.live = Some(entry);
+                return;
+            }
+            Some(cur) => Some(cur.clone()),
+            None => None,
+        };
+        let registered_at_ms = rec.started_at.as_deref().and_then(time::parse_ms).unwrap_or(now);
+        let entry = Arc::new(LiveEntry {
+            record: rec,
+            incarnation: inc,
+            registered_revision: revision,
+            registered_at_ms,
+        });
+        state.note_registration(inc, revision);
+        state.history.retain(|h| h.incarnation != inc);
+        state.history.push(entry.clone());
+        if state.history.len() > HISTORY {
+            state.history.remove(0);
+        }
+        state.live = Some(entry);
+        if let Some(old) = replaced {
+            let detail = vanished_detail(
+                &old,
+                &format!("replaced by incarnation {inc} before its lease expired, with no down certificate"),
+            );
+            self.incarnation_ended(&group, rank, &old, revision, now, detail, out);
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn incarnation_ended(
+        &mut self,
+        group: &GroupId,
+        rank: Rank,
+        live: &LiveEntry,
+        revision: i64,
+        now: i64,
+        detail: String,
+        out: &mut Vec<Output>,
+    ) {
+        let inc = live.incarnation;
+        if let Some(d) = self.deaths.get_mut(&(group.clone(), rank, inc)) {
+            d.revision = d.revision.min(revision);
+            return; // a certificate already told us more than a vanished key can
+        }
+        let death = Death {
+            revision,
+            at_ms: now,
+            reason: self.intern_reason(Reason::well_known(reasons::LEASE_EXPIRED)),
+            detail: detail.clone(),
+            evidence: DeathEvidence::Vanished,
+            source: None,
+            exit: None,
+            log_tail: None,
+            host: live.record.host.clone(),
+            pid: live.record.pid,
+            has_certificate: false,
+        };
+        self.deaths.insert((group.clone(), rank, inc), death);
+        out.push(Output::LiveKeyVanished {
+            group: group.clone(),
+            rank,
+            incarnation: inc,
+            revision,
+            at_ms: now,
+            detail,
+            host: live.record.host.clone(),
+            pid: live.record.pid,
+            registered_revision: live.registered_revision,
+        });
+        self.recheck_group(group, revision, now, out);
+    }
+
+    fn put_down(&mut self, group: GroupId, rank: Rank, rec: RankDown, revision: i64, now: i64, out: &mut Vec<Output>) {
+        let evidence = match rec.source {
+            DownSource::Coordinator => DeathEvidence::CoordinatorCertificate,
+            _ => DeathEvidence::Certificate,
+        };
+        let first_seen = rec.observed_revision.map_or(revision, |r| r.min(revision));
+        if let Some(reg) = rec.registered_revision {
+            self.ranks
+                .entry((group.clone(), rank))
+                .or_default()
+                .note_registration(rec.incarnation, reg);
+        }
+        let at_ms = rec.at.as_deref().and_then(time::parse_ms).unwrap_or(now);
+        let reason = self.intern_reason(rec.reason.clone());
+        let key = (group.clone(), rank, rec.incarnation);
+        let is_shutdown = reason.is_shutdown();
+        match self.deaths.get_mut(&key) {
+            Some(d) if d.evidence > evidence => {
+                // A less specific certificate (the coordinator's) after a specific one: keep
+                // what we know, note only that it is persisted.
+                d.revision = d.revision.min(first_seen);
+                d.has_certificate = true;
+                return;
+            }
+            Some(d) => {
+                // Refines the same death: same death, better reason and detail.
+                d.revision = d.revision.min(first_seen);
+                d.reason = reason;
+                d.detail = rec.detail;
+                d.evidence = evidence;
+                d.source = Some(rec.source);
+                d.exit = rec.exit;
+                d.log_tail = rec.log_tail;
+                d.host = rec.host.or(d.host.take());
+                d.pid = rec.pid.or(d.pid);
+                d.has_certificate = true;
+                // The certificate's time is the death's (a vanished key is seen a TTL late).
+                d.at_ms = at_ms;
+            }
+            None => {
+                self.deaths.insert(
+                    key,
+                    Death {
+                        revision: first_seen,
+                        at_ms,
+                        reason,
+                        detail: rec.detail,
+                        evidence,
+                        source: Some(rec.source),
+                        exit: rec.exit,
+                        log_tail: rec.log_tail,
+                        host: rec.host,
+                        pid: rec.pid,
+                        has_certificate: true,
+                    },
+                );
+            }
+        }
+        self.groups.entry(group.clone()).or_default();
+        if !is_shutdown {
+            self.recheck_group(&group, revision, now, out);
+        }
+    }
+
+    fn put_room(&mut self, group: GroupId, rec: RoomFailure, revision: i64, now: i64, out: &mut Vec<Output>) {
+        let group = match self.groups.get_key_value(&group) {
+            Some((g, _)) => g.clone(), // share one allocation per group name
+            None => {
+                self.groups.insert(group.clone(), GroupInfo::default());
+                group
+            }
+        };
+        let reason = self.intern_reason(rec.reason.clone());
+        let at_ms = rec.at.as_deref().and_then(time::parse_ms).unwrap_or(now);
+        let room = rec.room;
+        if rec.origin == Origin::Local {
+            let state = self.ranks.entry((group.clone(), rec.rank)).or_default();
+            if state.last_failure.as_ref().is_none_or(|f| f.revision < revision) {
+                state.last_failure = Some(LastFailure {
+                    room,
+                    reason: reason.clone(),
+                    at: time::format_ms(at_ms),
+                    revision,
+                });
+            }
+        }
+        let record = RoomRecord {
+            group: group.clone(),
+            rank: rec.rank,
+            origin: rec.origin,
+            reason,
+            detail: rec.detail.into_boxed_str(),
+            at_ms,
+            revision,
+            incarnation: rec.incarnation,
+            peer: rec.peer.map(Box::new),
+        };
+        let entry = self.rooms.entry(room).or_insert_with(|| RoomEntry {
+            first_observed_ms: now,
+            ..RoomEntry::default()
+        });
+        // Writers create each (room, rank) key once; an overwrite by a foreign writer replaces.
+        if let Some(pos) = entry
+            .records
+            .iter()
+            .position(|r| r.group == group && r.rank == rec.rank)
+        {
+            entry.records.remove(pos);
+            self.record_count -= 1;
+        }
+        let pos = entry.records.partition_point(|r| r.revision <= revision);
+        entry.records.insert(pos, record);
+        self.record_count += 1;
+        out.push(Output::RecordAccepted {
+            group: group.clone(),
+            origin: rec.origin,
+            revision,
+        });
+        if !entry.resolved {
+            self.unresolved.entry(group).or_default().insert(room);
+            self.recheck_room(room, revision, now, out);
+        }
+    }
+
+    /// A death landed in `group`: rooms waiting on it may now resolve.
+    fn recheck_group(&mut self, group: &GroupId, revision: i64, now: i64, out: &mut Vec<Output>) {
+        let Some(rooms) = self.unresolved.get(group) else {
+            return;
+        };
+        let rooms: Vec<RoomId> = rooms.iter().copied().collect();
+        for room in rooms {
+            self.recheck_room(room, revision, now, out);
+        }
+    }
+
+    fn recheck_room(&mut self, room: RoomId, revision: i64, now: i64, out: &mut Vec<Output>) {
+        let decision = self.decide(room, None, now, now);
+        let Some(entry) = self.rooms.get(&room) else { return };
+        let first_observed = entry.first_observed_ms;
+        let groups: BTreeSet<GroupId> = entry.records.iter().map(|r| r.group.clone()).collect();
+        let resolved = match decision.culprit(self, room) {
+            Some(c) => c,
+            None => {
+                if matches!(decision, crate::verdict::Decision::Unknown) {
+                    // Past the pending window only a local record can still resolve it, and
+                    // that path re-checks on its own.
+                    for g in &groups {
+                        if let Some(set) = self.unresolved.get_mut(g) {
+                            set.remove(&room);
+                        }
+                    }
+                }
+                return;
+            }
+        };
+        for g in &groups {
+            if let Some(set) = self.unresolved.get_mut(g) {
+                set.remove(&room);
+            }
+        }
+        if let Some(entry) = self.rooms.get_mut(&room) {
+            entry.resolved = true;
+        }
+        out.push(Output::RoomResolved {
+            room,
+            group: resolved.group.clone(),
+            rank: resolved.rank,
+            reason: resolved.reason.clone(),
+            source: resolved.source,
+            revision,
+            first_record_observed_ms: first_observed,
+            observed_ms: now,
+        });
+        self.root_causes.push_front(RootCause {
+            room,
+            group: resolved.group,
+            rank: resolved.rank,
+            reason: resolved.reason,
+            source: resolved.source,
+            detail: resolved.detail,
+            at: resolved.at,
+            revision,
+        });
+        self.root_causes.truncate(self.config.root_cause_log);
+    }
+
+    /// Shares one allocation per distinct reason (a million records carry a dozen reasons).
+    fn intern_reason(&mut self, reason: Reason) -> Reason {
+        if let Some(r) = self.interned_reasons.get(reason.as_str()) {
+            return r.clone();
+        }
+        if self.interned_reasons.len() < 4096 {
+            self.interned_reasons.insert(reason.clone());
+        }
+        reason
+    }
+}
+
+fn vanished_detail(live: &LiveEntry, what: &str) -> String {
+    let mut s = format!("incarnation {}: {what}", live.incarnation);
+    if let Some(pid) = live.record.pid {
+        s.push_str(&format!("; last seen as pid {pid}"));
+        if let Some(host) = &live.record.host {
+            s.push_str(&format!(" on {host}"));
+        }
+    }
+    s
+}

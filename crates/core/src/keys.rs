@@ -1,0 +1,163 @@
+//! The etcd key layout (SPEC section 4), in both directions.
+//!
+//! ```text
+//! {p}/groups/{group}/ranks/{rank}/live
+//! {p}/groups/{group}/ranks/{rank}/down/{incarnation}
+//! {p}/groups/{group}/ranks/{rank}/nixl          (rootrank extension: NIXL agent metadata)
+//! {p}/groups/{group}/rooms/{room}/ranks/{rank}
+//! {p}/coordinators/...
+//! ```
+
+use crate::ids::{parse_rank, GroupId, Incarnation, Rank, RoomId};
+
+/// What a key under the prefix names.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum KeyKind {
+    Live {
+        group: GroupId,
+        rank: Rank,
+    },
+    Down {
+        group: GroupId,
+        rank: Rank,
+        incarnation: Incarnation,
+    },
+    /// A rank's NIXL agent metadata, on its liveness lease (used by the transfer agent).
+    Nixl {
+        group: GroupId,
+        rank: Rank,
+    },
+    Room {
+        group: GroupId,
+        room: RoomId,
+        rank: Rank,
+    },
+    Coordinator,
+}
+
+/// Builds and parses keys under one prefix.
+#[derive(Clone, Debug)]
+pub struct Keys {
+    prefix: String,
+}
+
+impl Keys {
+    /// `prefix` without a trailing slash, e.g. `/rootrank/v1`.
+    pub fn new(prefix: &str) -> Self {
+        Keys {
+            prefix: prefix.trim_end_matches('/').to_string(),
+        }
+    }
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+    /// Everything rootrank owns, for the coordinator's snapshot and watch.
+    pub fn root(&self) -> String {
+        format!("{}/", self.prefix)
+    }
+    pub fn live(&self, group: &GroupId, rank: Rank) -> String {
+        format!("{}/groups/{group}/ranks/{rank}/live", self.prefix)
+    }
+    pub fn down(&self, group: &GroupId, rank: Rank, incarnation: Incarnation) -> String {
+        format!("{}/groups/{group}/ranks/{rank}/down/{incarnation}", self.prefix)
+    }
+    pub fn nixl(&self, group: &GroupId, rank: Rank) -> String {
+        format!("{}/groups/{group}/ranks/{rank}/nixl", self.prefix)
+    }
+    pub fn room(&self, group: &GroupId, room: RoomId, rank: Rank) -> String {
+        format!("{}/groups/{group}/rooms/{room}/ranks/{rank}", self.prefix)
+    }
+    pub fn coordinators(&self) -> String {
+        format!("{}/coordinators/", self.prefix)
+    }
+
+    /// Parses a key; `None` for anything that is not rootrank's layout.
+    pub fn parse(&self, key: &[u8]) -> Option<KeyKind> {
+        let key = std::str::from_utf8(key).ok()?;
+        let rest = key.strip_prefix(self.prefix.as_str())?.strip_prefix('/')?;
+        let parts: Vec<&str> = rest.split('/').collect();
+        match parts.as_slice() {
+            ["coordinators", ..] => Some(KeyKind::Coordinator),
+            ["groups", g, "ranks", r, "live"] => Some(KeyKind::Live {
+                group: GroupId::new(g).ok()?,
+                rank: parse_rank(r).ok()?,
+            }),
+            ["groups", g, "ranks", r, "nixl"] => Some(KeyKind::Nixl {
+                group: GroupId::new(g).ok()?,
+                rank: parse_rank(r).ok()?,
+            }),
+            ["groups", g, "ranks", r, "down", i] => Some(KeyKind::Down {
+                group: GroupId::new(g).ok()?,
+                rank: parse_rank(r).ok()?,
+                incarnation: Incarnation::parse(i).ok()?,
+            }),
+            ["groups", g, "rooms", room, "ranks", r] => Some(KeyKind::Room {
+                group: GroupId::new(g).ok()?,
+                room: RoomId::parse(room).ok()?,
+                rank: parse_rank(r).ok()?,
+            }),
+            _ => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trip() {
+        let k = Keys::new("/rootrank/v1/");
+        let g = GroupId::new("10.0.0.5:8998").unwrap();
+        let room = RoomId::new(i64::MAX as u64).unwrap();
+        let inc = Incarnation::new(7587).unwrap();
+        assert_eq!(
+            k.parse(k.live(&g, 3).as_bytes()),
+            Some(KeyKind::Live {
+                group: g.clone(),
+                rank: 3
+            })
+        );
+        assert_eq!(
+            k.parse(k.down(&g, 3, inc).as_bytes()),
+            Some(KeyKind::Down {
+                group: g.clone(),
+                rank: 3,
+                incarnation: inc
+            })
+        );
+        assert_eq!(
+            k.parse(k.room(&g, room, 1).as_bytes()),
+            Some(KeyKind::Room {
+                group: g.clone(),
+                room,
+                rank: 1
+            })
+        );
+        assert_eq!(
+            k.parse(k.nixl(&g, 0).as_bytes()),
+            Some(KeyKind::Nixl { group: g, rank: 0 })
+        );
+        assert_eq!(
+            k.room(&GroupId::new("p").unwrap(), RoomId::new(5).unwrap(), 0),
+            "/rootrank/v1/groups/p/rooms/5/ranks/0"
+        );
+    }
+
+    #[test]
+    fn rejects_foreign_and_malformed_keys() {
+        let k = Keys::new("/rootrank/v1");
+        for bad in [
+            "/other/groups/g/ranks/0/live",
+            "/rootrank/v1x/groups/g/ranks/0/live",
+            "/rootrank/v1/groups/g/ranks/-1/live",
+            "/rootrank/v1/groups/g/ranks/0/live/extra",
+            "/rootrank/v1/groups/g/rooms/abc/ranks/0",
+            "/rootrank/v1/groups/g/ranks/0/down/0",
+            "/rootrank/v1/groups/-g/ranks/0/live",
+        ] {
+            assert_eq!(k.parse(bad.as_bytes()), None, "{bad}");
+        }
+        assert_eq!(k.parse(b"\xff\xfe"), None);
+    }
+}

@@ -1,0 +1,281 @@
+//! The values rootrank stores in etcd (SPEC section 4). Every value is a JSON object with
+//! `"v": 1`; readers ignore fields they do not know, so newer writers stay readable.
+
+use serde::{Deserialize, Serialize};
+
+use crate::ids::{check_rank, GroupId, IdError, Incarnation, Rank, Reason, RoomId};
+
+/// The only schema version this reader understands.
+pub const SCHEMA_VERSION: u32 = 1;
+/// `detail` is capped so one chatty traceback cannot bloat etcd or the coordinator.
+pub const MAX_DETAIL_BYTES: usize = 4096;
+/// `log_tail` is capped likewise (lines x bytes).
+pub const MAX_LOG_TAIL_LINES: usize = 100;
+pub const MAX_LOG_LINE_BYTES: usize = 1024;
+
+/// Why a stored value was rejected.
+#[derive(Debug, thiserror::Error)]
+pub enum RecordError {
+    #[error("not a rootrank record: {0}")]
+    Json(#[from] serde_json::Error),
+    #[error("unsupported schema version {0} (this reader understands v=1; upgrade the coordinator)")]
+    Version(u64),
+    #[error(transparent)]
+    Id(#[from] IdError),
+    #[error("record disagrees with its key: {0}")]
+    KeyMismatch(String),
+}
+
+/// Where a room failure was seen.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Origin {
+    /// This rank saw the failure itself: a root-cause candidate.
+    Local,
+    /// This rank only learned of it through the group's MIN all-reduce: never a root cause.
+    Propagated,
+}
+
+impl Origin {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Origin::Local => "local",
+            Origin::Propagated => "propagated",
+        }
+    }
+}
+
+/// Who wrote a down certificate. Ordered by how much the writer can know about the death.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DownSource {
+    Agent,
+    Watchdog,
+    Supervisor,
+    Coordinator,
+}
+
+impl DownSource {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DownSource::Agent => "agent",
+            DownSource::Watchdog => "watchdog",
+            DownSource::Supervisor => "supervisor",
+            DownSource::Coordinator => "coordinator",
+        }
+    }
+}
+
+/// The transfer peer a failure was seen against.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct Peer {
+    #[serde(default)]
+    pub group: Option<String>,
+    #[serde(default)]
+    pub rank: Option<u32>,
+    #[serde(default)]
+    pub agent: Option<String>,
+    #[serde(default)]
+    pub endpoint: Option<String>,
+}
+
+/// How a process ended, when someone saw it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct ExitInfo {
+    #[serde(default)]
+    pub code: Option<i32>,
+    #[serde(default)]
+    pub signal: Option<i32>,
+}
+
+/// `{p}/groups/{group}/ranks/{rank}/live`, on the rank's liveness lease.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RankLive {
+    pub v: u32,
+    pub group: GroupId,
+    pub rank: Rank,
+    pub group_size: u32,
+    #[serde(default)]
+    pub role: Option<String>,
+    #[serde(default)]
+    pub host: Option<String>,
+    #[serde(default)]
+    pub pid: Option<u32>,
+    #[serde(default)]
+    pub boot_id: Option<String>,
+    #[serde(default)]
+    pub started_at: Option<String>,
+    #[serde(default)]
+    pub lease_ttl_ms: Option<u64>,
+    #[serde(default)]
+    pub agent: Option<String>,
+    #[serde(default)]
+    pub nixl_agent: Option<String>,
+    #[serde(default)]
+    pub gpu: Option<String>,
+}
+
+/// `{p}/groups/{group}/rooms/{room}/ranks/{rank}`, on a retention lease, written once.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RoomFailure {
+    pub v: u32,
+    pub group: GroupId,
+    pub rank: Rank,
+    pub room: RoomId,
+    pub origin: Origin,
+    pub reason: Reason,
+    #[serde(default)]
+    pub detail: String,
+    #[serde(default)]
+    pub at: Option<String>,
+    #[serde(default)]
+    pub incarnation: Option<Incarnation>,
+    #[serde(default)]
+    pub peer: Option<Peer>,
+}
+
+/// `{p}/groups/{group}/ranks/{rank}/down/{incarnation}`, on a retention lease.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RankDown {
+    pub v: u32,
+    pub group: GroupId,
+    pub rank: Rank,
+    pub incarnation: Incarnation,
+    pub reason: Reason,
+    #[serde(default)]
+    pub detail: String,
+    pub source: DownSource,
+    #[serde(default)]
+    pub at: Option<String>,
+    #[serde(default)]
+    pub exit: Option<ExitInfo>,
+    #[serde(default)]
+    pub log_tail: Option<Vec<String>>,
+    /// rootrank extension (not in SPEC v1): the dead process, so a verdict can name it after
+    /// the live record is gone.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pid: Option<u32>,
+    /// rootrank extension (not in SPEC v1): the revision at which the coordinator saw the
+    /// live key vanish, so a reloaded coordinator orders this death exactly as a watching one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_revision: Option<i64>,
+    /// rootrank extension (not in SPEC v1): the revision at which this incarnation registered,
+    /// for the "re-registered before the room's first record" rule after a reload.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub registered_revision: Option<i64>,
+}
+
+fn check_version(raw: &[u8]) -> Result<(), RecordError> {
+    #[derive(Deserialize)]
+    struct V {
+        v: u64,
+    }
+    let v: V = serde_json::from_slice(raw)?;
+    if v.v != u64::from(SCHEMA_VERSION) {
+        return Err(RecordError::Version(v.v));
+    }
+    Ok(())
+}
+
+/// Cuts `s` to at most `max` bytes on a character boundary.
+pub fn truncate_utf8(s: &mut String, max: usize) {
+    if s.len() > max {
+        let mut end = max;
+        while !s.is_char_boundary(end) {
+            end -= 1;
+        }
+        s.truncate(end);
+    }
+}
+
+impl RankLive {
+    pub fn parse(raw: &[u8]) -> Result<Self, RecordError> {
+        check_version(raw)?;
+        let r: RankLive = serde_json::from_slice(raw)?;
+        check_rank(u64::from(r.rank), u64::from(r.group_size))?;
+        Ok(r)
+    }
+}
+
+impl RoomFailure {
+    pub fn parse(raw: &[u8]) -> Result<Self, RecordError> {
+        check_version(raw)?;
+        let mut r: RoomFailure = serde_json::from_slice(raw)?;
+        // An over-long detail from some other writer is cut, not rejected: the failure
+        // itself is the information that matters.
+        truncate_utf8(&mut r.detail, MAX_DETAIL_BYTES);
+        Ok(r)
+    }
+}
+
+impl RankDown {
+    pub fn parse(raw: &[u8]) -> Result<Self, RecordError> {
+        check_version(raw)?;
+        let mut r: RankDown = serde_json::from_slice(raw)?;
+        truncate_utf8(&mut r.detail, MAX_DETAIL_BYTES);
+        if let Some(tail) = r.log_tail.as_mut() {
+            clamp_log_tail(tail);
+        }
+        Ok(r)
+    }
+}
+
+/// Keeps the last [`MAX_LOG_TAIL_LINES`] lines, each cut to [`MAX_LOG_LINE_BYTES`].
+pub fn clamp_log_tail(tail: &mut Vec<String>) {
+    if tail.len() > MAX_LOG_TAIL_LINES {
+        tail.drain(..tail.len() - MAX_LOG_TAIL_LINES);
+    }
+    for line in tail.iter_mut() {
+        truncate_utf8(line, MAX_LOG_LINE_BYTES);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn room_failure_round_trip_and_unknown_fields() {
+        let raw = br#"{"v":1,"group":"prefill-0","rank":2,"room":"9223372036854775807","origin":"local",
+            "reason":"nixl_error","detail":"NIXL_ERR_BACKEND","at":"2026-12-02T15:20:05.123Z",
+            "incarnation":"7587","peer":{"group":"decode-0","rank":2,"agent":"a1","endpoint":null},
+            "from_the_future":{"x":1}}"#;
+        let r = RoomFailure::parse(raw).unwrap();
+        assert_eq!(r.room.get(), i64::MAX as u64);
+        assert_eq!(r.origin, Origin::Local);
+        let back = serde_json::to_value(&r).unwrap();
+        assert_eq!(back["room"], "9223372036854775807");
+        assert_eq!(back["incarnation"], "7587");
+    }
+
+    #[test]
+    fn required_fields_and_version() {
+        assert!(matches!(
+            RoomFailure::parse(br#"{"v":2,"group":"g","rank":0,"room":"1","origin":"local","reason":"x"}"#),
+            Err(RecordError::Version(2))
+        ));
+        assert!(RoomFailure::parse(br#"{"v":1,"group":"g","rank":0,"room":"1","origin":"local"}"#).is_err());
+        assert!(
+            RoomFailure::parse(br#"{"v":1,"group":"g","rank":0,"room":"1","origin":"elsewhere","reason":"x"}"#)
+                .is_err()
+        );
+        assert!(RoomFailure::parse(b"not json").is_err());
+        assert!(RankLive::parse(br#"{"v":1,"group":"g","rank":4,"group_size":4}"#).is_err());
+        assert!(RankLive::parse(br#"{"v":1,"group":"g","rank":3,"group_size":4}"#).is_ok());
+        assert!(RankDown::parse(
+            br#"{"v":1,"group":"g","rank":3,"incarnation":"0","reason":"oom_host","source":"watchdog"}"#
+        )
+        .is_err());
+    }
+
+    #[test]
+    fn long_detail_is_cut_on_a_char_boundary() {
+        let detail = "é".repeat(3000);
+        let raw =
+            serde_json::json!({"v":1,"group":"g","rank":0,"room":"1","origin":"local","reason":"x","detail":detail});
+        let r = RoomFailure::parse(raw.to_string().as_bytes()).unwrap();
+        assert!(r.detail.len() <= MAX_DETAIL_BYTES && r.detail.len() >= MAX_DETAIL_BYTES - 1);
+    }
+}

@@ -1,0 +1,206 @@
+//! A tiny etcd model for driving the index in tests: keys with leases and revisions, and the
+//! coordinator's one write (a `lease_expired` certificate for a vanished live key).
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+
+use rootrank_core::{time, Event, Index, IndexConfig, Output, RoomId, Verdict, VerdictQuery};
+use serde_json::json;
+
+pub const T0: i64 = 1_796_224_805_000;
+
+pub struct World {
+    pub index: Index,
+    pub events: Vec<Event>,
+    pub kv: BTreeMap<String, (Vec<u8>, i64, i64)>, // value, lease, mod_revision
+    pub rev: i64,
+    pub now: i64,
+    next_lease: i64,
+    pub leases: BTreeMap<(String, u32), i64>,
+    /// Every writer of a certificate knows when the incarnation registered (the live key's
+    /// revision), and says so.
+    pub registered_at_revision: BTreeMap<i64, i64>,
+    pub outputs: Vec<Output>,
+    /// Emulate the coordinator persisting vanished live keys as certificates.
+    pub coordinator_writes: bool,
+}
+
+pub fn key_live(g: &str, r: u32) -> String {
+    format!("/rootrank/v1/groups/{g}/ranks/{r}/live")
+}
+pub fn key_down(g: &str, r: u32, inc: i64) -> String {
+    format!("/rootrank/v1/groups/{g}/ranks/{r}/down/{inc}")
+}
+pub fn key_room(g: &str, room: u64, r: u32) -> String {
+    format!("/rootrank/v1/groups/{g}/rooms/{room}/ranks/{r}")
+}
+
+impl World {
+    pub fn new() -> Self {
+        World {
+            index: Index::new(IndexConfig::default()),
+            events: Vec::new(),
+            kv: BTreeMap::new(),
+            rev: 1,
+            now: T0,
+            next_lease: 7000,
+            leases: BTreeMap::new(),
+            registered_at_revision: BTreeMap::new(),
+            outputs: Vec::new(),
+            coordinator_writes: true,
+        }
+    }
+
+    pub fn advance(&mut self, ms: i64) -> &mut Self {
+        self.now += ms;
+        self
+    }
+
+    fn emit(&mut self, ev: Event) {
+        self.events.push(ev.clone());
+        let out = self.index.apply(ev);
+        let vanished: Vec<Output> = out
+            .iter()
+            .filter(|o| matches!(o, Output::LiveKeyVanished { .. }))
+            .cloned()
+            .collect();
+        self.outputs.extend(out);
+        if self.coordinator_writes {
+            for o in vanished {
+                let Output::LiveKeyVanished {
+                    group,
+                    rank: r,
+                    incarnation,
+                    revision,
+                    at_ms: at,
+                    detail,
+                    host,
+                    pid,
+                    registered_revision: registered,
+                } = o
+                else {
+                    continue;
+                };
+                let (g, inc) = (group.to_string(), incarnation.lease_id());
+                let k = key_down(&g, r, inc);
+                if !self.kv.contains_key(&k) {
+                    let v = json!({"v":1,"group":g,"rank":r,"incarnation":inc.to_string(),"reason":"lease_expired",
+                        "detail":detail,"source":"coordinator","at":time::format_ms(at),"observed_revision":revision,
+                        "host":host,"pid":pid,"registered_revision":registered});
+                    self.put_raw(&k, v.to_string().into_bytes(), 0);
+                }
+            }
+        }
+    }
+
+    pub fn put_raw(&mut self, key: &str, value: Vec<u8>, lease: i64) {
+        self.rev += 1;
+        self.kv.insert(key.to_string(), (value.clone(), lease, self.rev));
+        let ev = Event::Put {
+            key: key.as_bytes().to_vec(),
+            value,
+            lease,
+            revision: self.rev,
+            observed_at_ms: self.now,
+        };
+        self.emit(ev);
+    }
+
+    pub fn delete_raw(&mut self, key: &str) {
+        let Some((_, lease, _)) = self.kv.remove(key) else {
+            return;
+        };
+        self.rev += 1;
+        let ev = Event::Delete {
+            key: key.as_bytes().to_vec(),
+            prev_lease: Some(lease),
+            revision: self.rev,
+            observed_at_ms: self.now,
+        };
+        self.emit(ev);
+    }
+
+    /// A rank registers a new incarnation; returns its lease id.
+    pub fn register(&mut self, g: &str, r: u32, size: u32, ttl_ms: u64) -> i64 {
+        self.next_lease += 1;
+        let lease = self.next_lease;
+        self.leases.insert((g.to_string(), r), lease);
+        let v = json!({"v":1,"group":g,"rank":r,"group_size":size,"role":"prefill","host":"host-a","pid":1000 + r,
+            "lease_ttl_ms":ttl_ms,"started_at":time::format_ms(self.now),"agent":"rootrank-agent/0.1.0"});
+        self.put_raw(&key_live(g, r), v.to_string().into_bytes(), lease);
+        self.registered_at_revision.insert(lease, self.rev);
+        lease
+    }
+
+    pub fn vanish(&mut self, g: &str, r: u32) {
+        self.delete_raw(&key_live(g, r));
+    }
+
+    pub fn incarnation(&self, g: &str, r: u32) -> i64 {
+        self.leases.get(&(g.to_string(), r)).copied().unwrap_or(1)
+    }
+
+    /// A certificate from a specific writer: create-if-absent, or over the coordinator's.
+    pub fn certify(&mut self, g: &str, r: u32, reason: &str, source: &str) {
+        let inc = self.incarnation(g, r);
+        let k = key_down(g, r, inc);
+        let mut observed_revision = serde_json::Value::Null;
+        let mut registered_revision = json!(self.registered_at_revision.get(&inc));
+        if let Some((v, _, _)) = self.kv.get(&k) {
+            let existing: serde_json::Value = serde_json::from_slice(v).unwrap_or_default();
+            if existing["source"] != "coordinator" {
+                return;
+            }
+            // Writers keep the coordinator's observed revision when they refine its certificate.
+            observed_revision = existing["observed_revision"].clone();
+        }
+        let v = json!({"v":1,"group":g,"rank":r,"incarnation":inc.to_string(),"reason":reason,"detail":format!("{reason} seen by {source}"),
+            "source":source,"host":"host-a","pid":1000 + r,"at":time::format_ms(self.now),"exit":{"code":null,"signal":9},"log_tail":["Traceback (most recent call last):","RuntimeError: boom"],
+            "observed_revision":observed_revision,"registered_revision":registered_revision});
+        self.put_raw(&k, v.to_string().into_bytes(), 0);
+    }
+
+    /// A room record: create-if-absent, first reason wins.
+    pub fn record(&mut self, g: &str, r: u32, room: u64, origin: &str, reason: &str) {
+        let k = key_room(g, room, r);
+        if self.kv.contains_key(&k) {
+            return;
+        }
+        let inc = self.incarnation(g, r);
+        let v = json!({"v":1,"group":g,"rank":r,"room":room.to_string(),"origin":origin,"reason":reason,
+            "detail":if origin == "local" { format!("NIXL transfer encountered ERR room={room}") } else { "NIXL KVSender Exception".to_string() },
+            "at":time::format_ms(self.now),"incarnation":inc.to_string(),"peer":null});
+        self.put_raw(&k, v.to_string().into_bytes(), 0);
+    }
+
+    pub fn verdict(&self, room: u64, group: Option<&str>) -> Verdict {
+        verdict_of(&self.index, room, group, self.now)
+    }
+
+    /// The index a restarted coordinator would build from the current etcd state.
+    pub fn snapshot_index(&self) -> Index {
+        let mut idx = Index::new(IndexConfig::default());
+        let kvs = self
+            .kv
+            .iter()
+            .map(|(k, (v, lease, rev))| Event::Put {
+                key: k.as_bytes().to_vec(),
+                value: v.clone(),
+                lease: *lease,
+                revision: *rev,
+                observed_at_ms: self.now,
+            })
+            .collect();
+        idx.load_snapshot(kvs, self.rev);
+        idx
+    }
+}
+
+pub fn verdict_of(index: &Index, room: u64, group: Option<&str>, now: i64) -> Verdict {
+    index.verdict(&VerdictQuery {
+        room: RoomId::new(room).unwrap(),
+        group: group.map(|g| rootrank_core::GroupId::new(g).unwrap()),
+        asked_at_ms: now,
+        now_ms: now,
+    })
+}

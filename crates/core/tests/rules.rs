@@ -1,0 +1,332 @@
+//! SPEC section 5, rule by rule: a table of cases.
+
+mod common;
+use common::*;
+use rootrank_core::{Action, Output, RankStateKind, Status};
+
+const G: &str = "prefill-0";
+const D: &str = "decode-0";
+
+fn group_of_four(w: &mut World) {
+    for r in 0..4 {
+        w.register(G, r, 4, 5000);
+    }
+}
+
+#[test]
+fn rule1_local_record_names_its_rank_over_propagated_ones() {
+    let mut w = World::new();
+    group_of_four(&mut w);
+    w.record(G, 0, 42, "propagated", "other");
+    w.record(G, 2, 42, "local", "nixl_error");
+    w.record(G, 1, 42, "propagated", "other");
+    let v = w.verdict(42, None);
+    assert_eq!(v.status, Status::Resolved);
+    assert_eq!(v.action, Action::Abort);
+    let c = v.culprit.unwrap();
+    assert_eq!(
+        (c.group.as_str(), c.rank, c.reason.as_str(), c.source),
+        (G, 2, "nixl_error", "room_record")
+    );
+    assert_eq!(c.pid, Some(1002));
+    assert_eq!(v.evidence.len(), 3);
+    assert!(v.explain.contains("rank 2"), "{}", v.explain);
+}
+
+#[test]
+fn rule1_first_local_record_by_revision_wins() {
+    let mut w = World::new();
+    group_of_four(&mut w);
+    w.record(G, 3, 7, "local", "transfer_timeout");
+    w.advance(-5000); // a later write with an earlier host clock still loses: revision orders
+    w.record(G, 1, 7, "local", "nixl_error");
+    let c = w.verdict(7, None).culprit.unwrap();
+    assert_eq!((c.rank, c.reason.as_str()), (3, "transfer_timeout"));
+}
+
+#[test]
+fn rule1_beats_an_earlier_death() {
+    let mut w = World::new();
+    group_of_four(&mut w);
+    w.vanish(G, 3);
+    w.record(G, 1, 9, "local", "peer_disconnect");
+    let v = w.verdict(9, None);
+    assert_eq!(v.culprit.unwrap().rank, 1);
+    assert_eq!(v.action, Action::Abort);
+}
+
+#[test]
+fn rule2_vanished_live_key_after_first_record_is_the_culprit() {
+    let mut w = World::new();
+    group_of_four(&mut w);
+    w.record(G, 0, 11, "propagated", "other");
+    w.record(G, 1, 11, "propagated", "other");
+    assert_eq!(w.verdict(11, None).status, Status::Pending);
+    w.advance(5200);
+    w.vanish(G, 2);
+    let v = w.verdict(11, None);
+    assert_eq!(v.status, Status::Resolved);
+    assert_eq!(v.action, Action::AbortAndRestartGroup);
+    let c = v.culprit.unwrap();
+    assert_eq!(
+        (c.rank, c.source, c.reason.as_str()),
+        (2, "lease_expired", "lease_expired")
+    );
+    assert_eq!(c.pid, Some(1002));
+    assert!(v.evidence.iter().any(|e| e.kind == "lease_expired"));
+    // The coordinator persisted the death, once.
+    let certs = w.kv.keys().filter(|k| k.contains("/down/")).count();
+    assert_eq!(certs, 1);
+}
+
+#[test]
+fn rule2_certificate_names_the_cause_and_refines_a_vanished_key() {
+    let mut w = World::new();
+    group_of_four(&mut w);
+    w.record(G, 0, 12, "propagated", "other");
+    w.vanish(G, 3); // lease_expired, persisted by the coordinator
+    w.certify(G, 3, "oom_host", "watchdog"); // arrives later, same incarnation: refines
+    let v = w.verdict(12, None);
+    let c = v.culprit.unwrap();
+    assert_eq!(
+        (c.rank, c.source, c.reason.as_str()),
+        (3, "down_certificate", "oom_host")
+    );
+    assert_eq!(c.log_tail.as_ref().map(Vec::len), Some(2));
+    // One death, not two.
+    assert_eq!(v.evidence.iter().filter(|e| e.kind != "room_record").count(), 1);
+}
+
+#[test]
+fn rule2_a_coordinator_certificate_never_overrides_a_specific_one() {
+    let mut w = World::new();
+    group_of_four(&mut w);
+    w.certify(G, 1, "gpu_xid", "watchdog");
+    w.vanish(G, 1);
+    w.record(G, 0, 13, "propagated", "other");
+    let c = w.verdict(13, None).culprit.unwrap();
+    assert_eq!(
+        (c.rank, c.reason.as_str(), c.source),
+        (1, "gpu_xid", "down_certificate")
+    );
+}
+
+#[test]
+fn rule2_earliest_death_wins() {
+    let mut w = World::new();
+    group_of_four(&mut w);
+    w.record(G, 0, 14, "propagated", "other");
+    w.certify(G, 2, "oom_gpu", "agent");
+    w.certify(G, 1, "process_exit", "supervisor");
+    assert_eq!(w.verdict(14, None).culprit.unwrap().rank, 2);
+}
+
+#[test]
+fn rule2_shutdown_is_never_a_culprit() {
+    let mut w = World::new();
+    group_of_four(&mut w);
+    w.record(G, 0, 15, "propagated", "other");
+    w.certify(G, 1, "shutdown", "agent");
+    w.vanish(G, 1);
+    assert_eq!(w.verdict(15, None).status, Status::Pending);
+    w.advance(6001);
+    let v = w.verdict(15, None);
+    assert_eq!((v.status, v.action), (Status::Unknown, Action::Abort));
+    assert!(v.culprit.is_none());
+}
+
+#[test]
+fn rule2_death_window_bounds_old_and_late_deaths() {
+    let mut w = World::new();
+    group_of_four(&mut w);
+    w.certify(G, 3, "oom_host", "watchdog");
+    w.advance(60_001); // that death is now older than the window
+    w.record(G, 0, 16, "propagated", "other");
+    assert_eq!(w.verdict(16, None).status, Status::Pending);
+    w.advance(6_001); // past TTL + grace: a death now is unrelated
+    w.certify(G, 2, "oom_host", "watchdog");
+    assert_eq!(w.verdict(16, None).status, Status::Unknown);
+
+    let mut w = World::new();
+    group_of_four(&mut w);
+    w.certify(G, 3, "oom_host", "watchdog");
+    w.advance(59_000); // inside the window
+    w.record(G, 0, 17, "propagated", "other");
+    assert_eq!(w.verdict(17, None).culprit.unwrap().rank, 3);
+}
+
+#[test]
+fn rule2_a_rank_reregistered_before_the_first_record_is_alive_for_the_room() {
+    let mut w = World::new();
+    group_of_four(&mut w);
+    w.vanish(G, 1);
+    w.register(G, 1, 4, 5000); // restarted before the room
+    w.record(G, 0, 18, "propagated", "other");
+    assert_eq!(w.verdict(18, None).status, Status::Pending);
+
+    let mut w = World::new();
+    group_of_four(&mut w);
+    w.vanish(G, 1);
+    w.record(G, 0, 19, "propagated", "other");
+    w.register(G, 1, 4, 5000); // restarted after the room's first record: still the culprit
+    assert_eq!(w.verdict(19, None).culprit.unwrap().rank, 1);
+}
+
+#[test]
+fn rule2_a_replaced_incarnation_is_a_death_of_the_old_one() {
+    let mut w = World::new();
+    group_of_four(&mut w);
+    w.record(G, 0, 20, "propagated", "other");
+    let old = w.incarnation(G, 2);
+    w.register(G, 2, 4, 5000); // new lease over the old key, no delete ever comes
+    let c = w.verdict(20, None).culprit.unwrap();
+    assert_eq!((c.rank, c.incarnation.map(|i| i.lease_id())), (2, Some(old)));
+}
+
+#[test]
+fn rule3_and_4_pending_until_the_slowest_lease_plus_grace_then_unknown() {
+    let mut w = World::new();
+    group_of_four(&mut w);
+    w.register(G, 3, 4, 9000); // the slowest rank's TTL decides
+    w.record(G, 0, 21, "propagated", "other");
+    w.advance(9999);
+    let v = w.verdict(21, None);
+    assert_eq!((v.status, v.action), (Status::Pending, Action::Wait));
+    w.advance(1);
+    let v = w.verdict(21, None);
+    assert_eq!((v.status, v.action), (Status::Unknown, Action::Abort));
+    assert!(v.explain.contains("outside the group"), "{}", v.explain);
+}
+
+#[test]
+fn a_room_with_no_record_yet_uses_the_query_time() {
+    let mut w = World::new();
+    group_of_four(&mut w);
+    let v = w.verdict(22, Some(G));
+    assert_eq!(v.status, Status::Pending);
+    assert!(v.culprit.is_none());
+    w.certify(G, 2, "nccl_timeout", "supervisor");
+    w.advance(30_000);
+    let v = w.verdict(22, Some(G));
+    assert_eq!(v.culprit.unwrap().rank, 2); // died 30 s before the question
+    assert_eq!(w.verdict(22, None).status, Status::Pending); // no group involved, nothing known
+}
+
+#[test]
+fn group_filter_restricts_records_and_deaths() {
+    let mut w = World::new();
+    group_of_four(&mut w);
+    w.register(D, 0, 1, 5000);
+    w.record(D, 0, 23, "local", "nixl_error");
+    w.record(G, 0, 23, "propagated", "other");
+    assert_eq!(w.verdict(23, None).culprit.unwrap().group.as_str(), D);
+    let v = w.verdict(23, Some(G));
+    assert_eq!(v.status, Status::Pending);
+    assert_eq!(v.groups.len(), 1);
+}
+
+#[test]
+fn an_old_certificate_never_marks_a_new_incarnation_down() {
+    let mut w = World::new();
+    group_of_four(&mut w);
+    w.certify(G, 1, "oom_host", "watchdog");
+    w.vanish(G, 1);
+    let view = w.index.group(&rootrank_core::GroupId::new(G).unwrap()).unwrap();
+    assert_eq!(view.ranks[1].state, RankStateKind::Down);
+    w.register(G, 1, 4, 5000);
+    let view = w.index.group(&rootrank_core::GroupId::new(G).unwrap()).unwrap();
+    assert_eq!(view.ranks[1].state, RankStateKind::Live);
+    let s = &w.index.groups()[0];
+    assert_eq!((s.live, s.down, s.missing), (4, 0, 0));
+}
+
+#[test]
+fn invalid_values_are_skipped_reported_and_change_nothing() {
+    let mut w = World::new();
+    group_of_four(&mut w);
+    w.record(G, 0, 24, "propagated", "other");
+    let before = w.verdict(24, None);
+    let n = w.outputs.len();
+    let bad: &[(&str, &[u8])] = &[
+        ("/rootrank/v1/groups/prefill-0/rooms/24/ranks/1", b"{not json"),
+        (
+            "/rootrank/v1/groups/prefill-0/rooms/24/ranks/2",
+            br#"{"v":1,"group":"prefill-0","rank":3,"room":"24","origin":"local","reason":"x"}"#,
+        ),
+        (
+            "/rootrank/v1/groups/prefill-0/rooms/24/ranks/3",
+            br#"{"v":7,"group":"prefill-0","rank":3,"room":"24","origin":"local","reason":"x"}"#,
+        ),
+        (
+            "/rootrank/v1/groups/prefill-0/ranks/1/live",
+            br#"{"v":1,"group":"prefill-0","rank":1,"group_size":1}"#,
+        ),
+        (
+            "/rootrank/v1/groups/prefill-0/ranks/1/down/99",
+            br#"{"v":1,"group":"prefill-0","rank":1,"incarnation":"98","reason":"oom_host","source":"watchdog"}"#,
+        ),
+        ("/rootrank/v1/groups/bad group/rooms/24/ranks/1", b"{}"),
+    ];
+    for (k, v) in bad {
+        w.put_raw(k, v.to_vec(), 0);
+    }
+    let invalid: Vec<_> = w.outputs[n..]
+        .iter()
+        .filter(|o| matches!(o, Output::Invalid { .. }))
+        .collect();
+    assert_eq!(invalid.len(), bad.len(), "{invalid:?}");
+    let after = w.verdict(24, None);
+    assert_eq!(
+        (after.status, after.evidence.len()),
+        (before.status, before.evidence.len())
+    );
+    assert_eq!(
+        w.index.group(&rootrank_core::GroupId::new(G).unwrap()).unwrap().ranks[1].state,
+        RankStateKind::Live
+    );
+}
+
+#[test]
+fn retention_deletes_drop_records_and_deaths() {
+    let mut w = World::new();
+    group_of_four(&mut w);
+    w.record(G, 0, 25, "propagated", "other");
+    w.certify(G, 2, "oom_host", "watchdog");
+    assert_eq!(w.index.room_count(), 1);
+    w.delete_raw(&key_room(G, 25, 0));
+    let inc = w.incarnation(G, 2);
+    w.delete_raw(&key_down(G, 2, inc));
+    assert_eq!(w.index.room_count(), 0);
+    assert_eq!(w.index.record_count(), 0);
+    assert_eq!(w.verdict(25, Some(G)).status, Status::Pending);
+}
+
+#[test]
+fn resolution_outputs_fire_once_per_room() {
+    let mut w = World::new();
+    group_of_four(&mut w);
+    w.record(G, 0, 26, "propagated", "other");
+    w.advance(300);
+    w.vanish(G, 3);
+    w.record(G, 1, 26, "local", "nixl_error"); // already resolved by the death
+    let resolved: Vec<_> = w
+        .outputs
+        .iter()
+        .filter(|o| matches!(o, Output::RoomResolved { .. }))
+        .collect();
+    assert_eq!(resolved.len(), 1);
+    match resolved[0] {
+        Output::RoomResolved {
+            rank,
+            source,
+            first_record_observed_ms,
+            observed_ms,
+            ..
+        } => {
+            assert_eq!((*rank, *source), (3, "lease_expired"));
+            assert_eq!(observed_ms - first_record_observed_ms, 300);
+        }
+        _ => unreachable!(),
+    }
+    assert_eq!(w.index.recent_failures(None, 10).len(), 1);
+}
