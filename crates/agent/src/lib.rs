@@ -1,1 +1,342 @@
-//! placeholder
+//! The rank-side agent, embedded in each rank process.
+//!
+//! It registers the rank's live key on a liveness lease and keeps it alive, publishes room
+//! failure records and down certificates, and never blocks or crashes its host:
+//!
+//! - Every call from the host only validates and enqueues (a bounded queue; when it is full
+//!   the record is dropped and counted, the host is never made to wait).
+//! - All etcd work runs on the agent's own OS thread with its own runtime, so a host that
+//!   saturates its threads (or holds a GIL) cannot starve the keepalive.
+//! - Records ride on rotating retention leases ([`rootrank_store::RetentionLeases`]), never on
+//!   the liveness lease, so they outlive a killed rank by the retention window.
+//! - etcd errors are retried with backoff; a record stays at the head of the queue until it
+//!   is written, so an etcd restart loses nothing that fit in the queue.
+
+mod worker;
+
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use rootrank_core::ids::check_rank;
+use rootrank_core::records::{truncate_utf8, MAX_DETAIL_BYTES};
+use rootrank_core::{GroupId, IdError, Incarnation, Origin, Peer, Rank, Reason, RoomId};
+use tokio::sync::{mpsc, oneshot};
+
+/// The agent's version string, as published in RankLive.agent.
+pub const AGENT_VERSION: &str = concat!("rootrank-agent/", env!("CARGO_PKG_VERSION"));
+
+/// What went wrong, and what to do.
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    #[error(transparent)]
+    Invalid(#[from] IdError),
+    #[error("invalid agent config: {0}")]
+    Config(String),
+    #[error("the agent's queue is full ({capacity} records waiting for etcd): this record was dropped and counted; check etcd health")]
+    QueueFull { capacity: usize },
+    #[error("the agent has stopped; records can no longer be published")]
+    Stopped,
+    #[error("could not start the agent thread: {0}")]
+    Thread(#[source] std::io::Error),
+}
+
+/// How an agent is set up. [`AgentConfig::new`] fills the defaults of SPEC section 4.
+#[derive(Clone, Debug)]
+pub struct AgentConfig {
+    pub endpoints: Vec<String>,
+    pub prefix: String,
+    pub group: GroupId,
+    pub rank: Rank,
+    pub group_size: u32,
+    pub role: Option<String>,
+    /// Liveness lease TTL (default 5 s), kept alive every TTL/3.
+    pub lease_ttl: Duration,
+    /// How long records outlive their writer (default 600 s).
+    pub retention: Duration,
+    /// Records waiting for etcd before new ones are dropped (default 10,000).
+    pub queue_capacity: usize,
+    pub pid: u32,
+    pub host: Option<String>,
+    pub nixl_agent: Option<String>,
+    pub gpu: Option<String>,
+}
+
+impl AgentConfig {
+    pub fn new(endpoints: Vec<String>, group: &str, rank: u64, group_size: u64) -> Result<Self, AgentError> {
+        let group = GroupId::new(group)?;
+        let (rank, group_size) = check_rank(rank, group_size)?;
+        Ok(AgentConfig {
+            endpoints,
+            prefix: "/rootrank/v1".to_string(),
+            group,
+            rank,
+            group_size,
+            role: None,
+            lease_ttl: Duration::from_secs(5),
+            retention: Duration::from_secs(600),
+            queue_capacity: 10_000,
+            pid: std::process::id(),
+            host: read_trimmed("/proc/sys/kernel/hostname"),
+            nixl_agent: None,
+            gpu: None,
+        })
+    }
+
+    fn check(&self) -> Result<(), AgentError> {
+        if self.endpoints.is_empty() {
+            return Err(AgentError::Config(
+                "no etcd endpoints (set ROOTRANK_ETCD_ENDPOINTS)".into(),
+            ));
+        }
+        if self.lease_ttl < Duration::from_secs(1) || self.lease_ttl > Duration::from_secs(3600) {
+            return Err(AgentError::Config(format!(
+                "lease_ttl {:?} outside 1 s..=1 h (etcd grants leases in whole seconds)",
+                self.lease_ttl
+            )));
+        }
+        if self.retention < Duration::from_secs(1) {
+            return Err(AgentError::Config("retention must be at least 1 s".into()));
+        }
+        if self.queue_capacity == 0 {
+            return Err(AgentError::Config("queue_capacity must be at least 1".into()));
+        }
+        Ok(())
+    }
+}
+
+pub(crate) fn read_trimmed(path: &str) -> Option<String> {
+    std::fs::read_to_string(path)
+        .ok()
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+}
+
+/// One room failure, validated, waiting for etcd.
+#[derive(Debug)]
+pub(crate) struct PendingFailure {
+    pub room: RoomId,
+    pub origin: Origin,
+    pub reason: Reason,
+    pub detail: String,
+    pub peer: Option<Peer>,
+    pub at_ms: i64,
+}
+
+#[derive(Debug)]
+pub(crate) enum Command {
+    Failure(PendingFailure),
+    Down {
+        reason: Reason,
+        detail: String,
+        log_tail: Option<Vec<String>>,
+        at_ms: i64,
+    },
+    /// A key to keep on the liveness lease (re-put after every re-registration).
+    Attach {
+        suffix: String,
+        value: Vec<u8>,
+    },
+    Flush(oneshot::Sender<()>),
+    Shutdown {
+        clean: bool,
+        done: oneshot::Sender<()>,
+    },
+}
+
+/// Counters the host can read (and export).
+#[derive(Debug, Default)]
+pub struct AgentStats {
+    pub published: AtomicU64,
+    pub dropped: AtomicU64,
+    pub retries: AtomicU64,
+    pub registrations: AtomicU64,
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct Shared {
+    pub stats: AgentStats,
+    pub incarnation: AtomicI64,
+    pub registered: (Mutex<bool>, Condvar),
+}
+
+impl Shared {
+    pub(crate) fn set_incarnation(&self, lease: i64) {
+        self.incarnation.store(lease, Ordering::SeqCst);
+        self.stats.registrations.fetch_add(1, Ordering::Relaxed);
+        let (lock, cv) = &self.registered;
+        if let Ok(mut g) = lock.lock() {
+            *g = true;
+            cv.notify_all();
+        }
+    }
+}
+
+/// The embedded agent. See the crate docs.
+pub struct Agent {
+    tx: mpsc::Sender<Command>,
+    shared: Arc<Shared>,
+    capacity: usize,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Agent {
+    /// Starts the agent's thread and returns at once; registration happens in the
+    /// background (and is retried while etcd is unreachable).
+    pub fn start(config: AgentConfig) -> Result<Agent, AgentError> {
+        config.check()?;
+        let (tx, rx) = mpsc::channel(config.queue_capacity);
+        let shared = Arc::new(Shared::default());
+        let capacity = config.queue_capacity;
+        let worker_shared = shared.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("rootrank-agent-{}-{}", config.group, config.rank))
+            .spawn(move || worker::run(config, rx, worker_shared))
+            .map_err(AgentError::Thread)?;
+        Ok(Agent {
+            tx,
+            shared,
+            capacity,
+            thread: Some(thread),
+        })
+    }
+
+    /// Records that this rank failed `room` (or, with `Origin::Propagated`, that it only saw
+    /// the group's generic failure). Only validates and enqueues: never waits for etcd.
+    pub fn record_failure(
+        &self,
+        room: u64,
+        origin: Origin,
+        reason: &str,
+        detail: &str,
+        peer: Option<Peer>,
+    ) -> Result<(), AgentError> {
+        let room = RoomId::new(room)?;
+        let reason = Reason::new(reason)?;
+        let mut detail = detail.to_string();
+        truncate_utf8(&mut detail, MAX_DETAIL_BYTES);
+        let pending = PendingFailure {
+            room,
+            origin,
+            reason,
+            detail,
+            peer,
+            at_ms: rootrank_store::unix_ms(),
+        };
+        self.enqueue(Command::Failure(pending))
+    }
+
+    /// Writes a down certificate for this incarnation (a fatal error the host is about to
+    /// die of). Enqueued ahead of nothing: call [`Agent::flush`] to wait for it.
+    pub fn record_down(&self, reason: &str, detail: &str, log_tail: Option<Vec<String>>) -> Result<(), AgentError> {
+        let reason = Reason::new(reason)?;
+        let mut detail = detail.to_string();
+        truncate_utf8(&mut detail, MAX_DETAIL_BYTES);
+        self.enqueue(Command::Down {
+            reason,
+            detail,
+            log_tail,
+            at_ms: rootrank_store::unix_ms(),
+        })
+    }
+
+    /// Keeps `value` at `{prefix}/groups/{group}/ranks/{rank}/{suffix}` on the liveness lease,
+    /// so it vanishes with the rank (the transfer agent's NIXL metadata).
+    pub fn attach_to_liveness(&self, suffix: &str, value: Vec<u8>) -> Result<(), AgentError> {
+        if suffix.is_empty() || !suffix.bytes().all(|c| c.is_ascii_lowercase() || c == b'_') {
+            return Err(AgentError::Config(format!(
+                "invalid liveness key suffix {suffix:?}: [a-z_]+"
+            )));
+        }
+        self.enqueue(Command::Attach {
+            suffix: suffix.to_string(),
+            value,
+        })
+    }
+
+    fn enqueue(&self, cmd: Command) -> Result<(), AgentError> {
+        match self.tx.try_send(cmd) {
+            Ok(()) => Ok(()),
+            Err(mpsc::error::TrySendError::Full(_)) => {
+                self.shared.stats.dropped.fetch_add(1, Ordering::Relaxed);
+                Err(AgentError::QueueFull {
+                    capacity: self.capacity,
+                })
+            }
+            Err(mpsc::error::TrySendError::Closed(_)) => Err(AgentError::Stopped),
+        }
+    }
+
+    /// The current incarnation (the liveness lease id), once registered.
+    pub fn incarnation(&self) -> Option<Incarnation> {
+        Incarnation::new(self.shared.incarnation.load(Ordering::SeqCst)).ok()
+    }
+
+    /// Waits up to `timeout` for the first registration.
+    pub fn wait_registered(&self, timeout: Duration) -> Option<Incarnation> {
+        let (lock, cv) = &self.shared.registered;
+        let guard = lock.lock().ok()?;
+        let _unused = cv.wait_timeout_while(guard, timeout, |r| !*r).ok()?;
+        self.incarnation()
+    }
+
+    /// Waits up to `timeout` until everything enqueued so far is in etcd.
+    pub fn flush(&self, timeout: Duration) -> bool {
+        let (done_tx, done_rx) = oneshot::channel();
+        // Flush waits behind the queue on purpose; blocking_send would block the host, so the
+        // wait is bounded by `timeout` below.
+        if self.tx.try_send(Command::Flush(done_tx)).is_err() {
+            return false;
+        }
+        wait_oneshot(done_rx, timeout)
+    }
+
+    pub fn stats(&self) -> &AgentStats {
+        &self.shared.stats
+    }
+
+    /// A clean exit: writes a `shutdown` certificate, flushes, revokes the liveness lease.
+    /// Bounded by `timeout`; returns whether it completed.
+    pub fn shutdown(mut self, timeout: Duration) -> bool {
+        self.stop(true, timeout)
+    }
+
+    fn stop(&mut self, clean: bool, timeout: Duration) -> bool {
+        let (done_tx, done_rx) = oneshot::channel();
+        let sent = self.tx.try_send(Command::Shutdown { clean, done: done_tx }).is_ok();
+        let ok = sent && wait_oneshot(done_rx, timeout);
+        if let Some(t) = self.thread.take() {
+            if ok {
+                let _ = t.join();
+            }
+            // Otherwise the thread is left to finish on its own: the host must not hang.
+        }
+        ok
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        if self.thread.is_some() {
+            // Dropped without shutdown(): flush what we can briefly, but do not claim a clean
+            // exit (no shutdown certificate; the lease runs out on its own).
+            self.stop(false, Duration::from_millis(500));
+        }
+    }
+}
+
+fn wait_oneshot(mut rx: oneshot::Receiver<()>, timeout: Duration) -> bool {
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        match rx.try_recv() {
+            Ok(()) => return true,
+            Err(oneshot::error::TryRecvError::Closed) => return false,
+            Err(oneshot::error::TryRecvError::Empty) => {}
+        }
+        if std::time::Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}

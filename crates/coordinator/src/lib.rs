@@ -1,1 +1,87 @@
-//! placeholder
+//! The coordinator: etcd → index → verdicts over HTTP and metrics.
+//!
+//! - [`sync`]: loads the prefix at a revision, watches from revision + 1, re-creates the
+//!   watch after errors and reloads after compaction; applies every event to the index and
+//!   acts on its outputs (metrics, persisting vanished live keys as certificates).
+//! - [`http`]: the API of SPEC section 6, including long-poll verdicts.
+//! - [`metrics`]: the metrics of SPEC section 8.
+//!
+//! Nothing lives only in memory: a restarted coordinator rebuilds the same index from etcd.
+
+pub mod http;
+pub mod metrics;
+pub mod sync;
+
+use std::net::SocketAddr;
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use rootrank_core::{Index, IndexConfig};
+use tokio::sync::watch;
+
+/// How a coordinator runs.
+#[derive(Clone, Debug)]
+pub struct CoordinatorConfig {
+    pub endpoints: Vec<String>,
+    pub listen: SocketAddr,
+    pub index: IndexConfig,
+    /// How long the certificates it writes are kept (default 600 s).
+    pub retention: Duration,
+}
+
+/// State shared by the sync loop and the HTTP handlers.
+pub struct Shared {
+    pub index: RwLock<Index>,
+    /// Set once the first snapshot is loaded and while the watch is established.
+    pub ready: AtomicBool,
+    /// Bumped after every applied batch; long polls wait on it.
+    pub revision_tx: watch::Sender<i64>,
+    pub metrics: metrics::Metrics,
+}
+
+impl Shared {
+    pub fn new(config: &CoordinatorConfig) -> Result<Arc<Self>, prometheus::Error> {
+        let (revision_tx, _) = watch::channel(0);
+        Ok(Arc::new(Shared {
+            index: RwLock::new(Index::new(config.index.clone())),
+            ready: AtomicBool::new(false),
+            revision_tx,
+            metrics: metrics::Metrics::new()?,
+        }))
+    }
+}
+
+/// Errors that stop a coordinator from starting.
+#[derive(Debug, thiserror::Error)]
+pub enum CoordinatorError {
+    #[error("cannot listen on {addr}: {source} (is another coordinator running there? pass --listen)")]
+    Listen { addr: SocketAddr, source: std::io::Error },
+    #[error("metrics registry: {0}")]
+    Metrics(#[from] prometheus::Error),
+    #[error("HTTP server: {0}")]
+    Serve(#[source] std::io::Error),
+}
+
+/// Runs a coordinator until `shutdown` resolves.
+pub async fn run(
+    config: CoordinatorConfig,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<(), CoordinatorError> {
+    let shared = Shared::new(&config)?;
+    let listener = tokio::net::TcpListener::bind(config.listen)
+        .await
+        .map_err(|e| CoordinatorError::Listen {
+            addr: config.listen,
+            source: e,
+        })?;
+    let addr = listener.local_addr().map_err(CoordinatorError::Serve)?;
+    tracing::info!(%addr, endpoints = %config.endpoints.join(","), prefix = %config.index.prefix, "coordinator listening");
+    let sync = tokio::spawn(sync::run(config.clone(), shared.clone()));
+    let app = http::router(shared.clone());
+    let served = axum::serve(listener, app.into_make_service())
+        .with_graceful_shutdown(shutdown)
+        .await;
+    sync.abort();
+    served.map_err(CoordinatorError::Serve)
+}

@@ -1,1 +1,275 @@
-//! placeholder
+//! rootrank's etcd layer: the few etcd operations rootrank makes, each with the semantics the
+//! contract needs, and nothing about verdicts.
+//!
+//! - [`connect`]: a client for a list of endpoints, with timeouts a dead member cannot stall.
+//! - [`create_if_absent`]: room records are written once per (room, rank); the first reason wins.
+//! - [`put_certificate`]: down certificates, created once or written over a less specific
+//!   coordinator certificate (keeping the revisions it carried).
+//! - [`RetentionLeases`]: records outlive their writer by the retention window, and etcd
+//!   forgets them after it, without ever riding on a liveness lease.
+//! - [`snapshot`]: the whole prefix at one revision, paginated.
+//! - [`Backoff`]: retry pacing shared by every loop that talks to etcd.
+//! - [`embedded`]: a private etcd process, for `rootrank serve` on one machine and for tests.
+
+pub mod embedded;
+
+use std::time::{Duration, Instant};
+
+use etcd_client::{Client, Compare, CompareOp, ConnectOptions, GetOptions, PutOptions, Txn, TxnOp};
+use rootrank_core::Event;
+
+pub use etcd_client;
+
+/// An etcd failure, with what to check.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("etcd at {endpoints} is unreachable or failing: {source}. Check that etcd runs there (rootrank serve without --etcd-endpoints starts a private one)")]
+    Etcd {
+        endpoints: String,
+        #[source]
+        source: etcd_client::Error,
+    },
+    #[error("no etcd endpoints given: pass --etcd-endpoints URL[,URL...] or set ROOTRANK_ETCD_ENDPOINTS")]
+    NoEndpoints,
+}
+
+impl StoreError {
+    pub fn etcd(endpoints: &[String], source: etcd_client::Error) -> Self {
+        StoreError::Etcd {
+            endpoints: endpoints.join(","),
+            source,
+        }
+    }
+}
+
+/// How long one etcd request may take before it is retried. Short, because a member that is
+/// down answers nothing, and the agent and coordinator must move on to the next attempt.
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// A client for `endpoints`. Connecting is lazy in spirit: the returned client reconnects by
+/// itself; an error here means no endpoint answered within the connect timeout.
+pub async fn connect(endpoints: &[String]) -> Result<Client, StoreError> {
+    if endpoints.is_empty() {
+        return Err(StoreError::NoEndpoints);
+    }
+    let opts = ConnectOptions::new()
+        .with_connect_timeout(Duration::from_secs(2))
+        .with_timeout(REQUEST_TIMEOUT)
+        .with_keep_alive(Duration::from_secs(5), Duration::from_secs(2))
+        .with_keep_alive_while_idle(true);
+    Client::connect(endpoints, Some(opts))
+        .await
+        .map_err(|e| StoreError::etcd(endpoints, e))
+}
+
+/// Writes `value` at `key` only if the key does not exist. Returns whether it was written.
+pub async fn create_if_absent(
+    client: &mut Client,
+    key: &str,
+    value: Vec<u8>,
+    lease: Option<i64>,
+) -> Result<bool, etcd_client::Error> {
+    let opts = lease.map(|l| PutOptions::new().with_lease(l));
+    let txn = Txn::new()
+        .when([Compare::create_revision(key, CompareOp::Equal, 0)])
+        .and_then([TxnOp::put(key, value, opts)]);
+    Ok(client.txn(txn).await?.succeeded())
+}
+
+/// Writes a down certificate: created if absent, or written over a `source: coordinator` one
+/// (a coordinator only knows that a lease expired; any other writer knows more). The
+/// coordinator's `observed_revision` is kept so the death's order stays what it was.
+/// Returns whether it was written.
+pub async fn put_certificate(
+    client: &mut Client,
+    key: &str,
+    down: &rootrank_core::RankDown,
+    lease: Option<i64>,
+) -> Result<bool, etcd_client::Error> {
+    let encode = |d: &rootrank_core::RankDown| serde_json::to_vec(d).unwrap_or_default();
+    if create_if_absent(client, key, encode(down), lease).await? {
+        return Ok(true);
+    }
+    if down.source == rootrank_core::DownSource::Coordinator {
+        return Ok(false);
+    }
+    let existing = client.get(key, None).await?;
+    let Some(kv) = existing.kvs().first() else {
+        return Ok(false);
+    };
+    let Ok(prev) = rootrank_core::RankDown::parse(kv.value()) else {
+        return Ok(false);
+    };
+    if prev.source != rootrank_core::DownSource::Coordinator {
+        return Ok(false); // first specific certificate wins
+    }
+    let mut refined = down.clone();
+    refined.observed_revision = refined.observed_revision.or(prev.observed_revision);
+    refined.registered_revision = refined.registered_revision.or(prev.registered_revision);
+    let opts = lease.map(|l| PutOptions::new().with_lease(l));
+    let txn = Txn::new()
+        .when([Compare::mod_revision(key, CompareOp::Equal, kv.mod_revision())])
+        .and_then([TxnOp::put(key, encode(&refined), opts)]);
+    Ok(client.txn(txn).await?.succeeded())
+}
+
+/// Rotating retention leases. Each lease is granted with TTL `retention + rotation` and used
+/// for the records written during one `rotation` period, so every record lives between
+/// `retention` and `retention + rotation` after it was written, and a writer holds at most
+/// `retention / rotation + 1` leases. Nothing keeps them alive: expiry is the point.
+#[derive(Debug)]
+pub struct RetentionLeases {
+    retention: Duration,
+    rotation: Duration,
+    current: Option<(i64, Instant)>,
+}
+
+impl RetentionLeases {
+    pub fn new(retention: Duration) -> Self {
+        // A tenth of the window, at least a second: few leases, little overshoot.
+        let rotation = (retention / 10).max(Duration::from_secs(1));
+        RetentionLeases {
+            retention,
+            rotation,
+            current: None,
+        }
+    }
+
+    /// The lease to attach a record to now.
+    pub async fn lease(&mut self, client: &mut Client) -> Result<i64, etcd_client::Error> {
+        if let Some((id, granted)) = self.current {
+            if granted.elapsed() < self.rotation {
+                return Ok(id);
+            }
+        }
+        let ttl = (self.retention + self.rotation).as_secs().max(1) as i64;
+        let id = client.lease_grant(ttl, None).await?.id();
+        self.current = Some((id, Instant::now()));
+        Ok(id)
+    }
+
+    /// Forget the current lease (e.g. etcd said it does not exist any more).
+    pub fn invalidate(&mut self) {
+        self.current = None;
+    }
+}
+
+/// Whether an etcd error says a lease is gone (expired, revoked, or etcd lost it).
+pub fn is_lease_not_found(e: &etcd_client::Error) -> bool {
+    e.to_string().contains("requested lease not found")
+}
+
+/// Reads everything under `prefix` at one revision, in pages, so a million records do not
+/// exceed a gRPC message. Returns the key-values as events and the revision.
+pub async fn snapshot(
+    client: &mut Client,
+    prefix: &str,
+    observed_at_ms: i64,
+) -> Result<(Vec<Event>, i64), etcd_client::Error> {
+    const PAGE: i64 = 5_000;
+    let end = prefix_end(prefix.as_bytes());
+    let mut start = prefix.as_bytes().to_vec();
+    let mut revision = 0;
+    let mut events = Vec::new();
+    loop {
+        let mut opts = GetOptions::new().with_range(end.clone()).with_limit(PAGE);
+        if revision > 0 {
+            opts = opts.with_revision(revision);
+        }
+        let mut resp = client.get(start.clone(), Some(opts)).await?;
+        if revision == 0 {
+            revision = resp.header().map_or(0, |h| h.revision());
+        }
+        let more = resp.more();
+        let kvs = resp.take_kvs();
+        let Some(last) = kvs.last() else { break };
+        start = last.key().to_vec();
+        start.push(0);
+        events.extend(kvs.into_iter().map(|kv| Event::Put {
+            key: kv.key().to_vec(),
+            value: kv.value().to_vec(),
+            lease: kv.lease(),
+            revision: kv.mod_revision(),
+            observed_at_ms,
+        }));
+        if !more {
+            break;
+        }
+    }
+    Ok((events, revision))
+}
+
+/// The smallest key greater than every key with this prefix.
+pub fn prefix_end(prefix: &[u8]) -> Vec<u8> {
+    let mut end = prefix.to_vec();
+    while let Some(last) = end.pop() {
+        if last < 0xff {
+            end.push(last + 1);
+            return end;
+        }
+    }
+    vec![0]
+}
+
+/// Exponential backoff with jitter, capped. `next()` gives the next pause.
+#[derive(Debug, Clone)]
+pub struct Backoff {
+    base: Duration,
+    cap: Duration,
+    current: Duration,
+    seed: u64,
+}
+
+impl Backoff {
+    pub fn new(base: Duration, cap: Duration) -> Self {
+        let seed =
+            u64::from(std::process::id()) ^ (Instant::now().elapsed().subsec_nanos() as u64) ^ 0x9e37_79b9_7f4a_7c15;
+        Backoff {
+            base,
+            cap,
+            current: base,
+            seed,
+        }
+    }
+    pub fn reset(&mut self) {
+        self.current = self.base;
+    }
+    pub fn next_pause(&mut self) -> Duration {
+        // xorshift: jitter so that many agents do not retry in lockstep after an etcd restart.
+        self.seed ^= self.seed << 13;
+        self.seed ^= self.seed >> 7;
+        self.seed ^= self.seed << 17;
+        let pause = self.current;
+        self.current = (self.current * 2).min(self.cap);
+        let jitter = pause.as_millis() as u64 / 4;
+        let j = if jitter > 0 { self.seed % jitter } else { 0 };
+        pause + Duration::from_millis(j)
+    }
+}
+
+/// Milliseconds since the Unix epoch, for `at` fields and observation stamps. The shells read
+/// the clock; the core never does.
+pub fn unix_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prefix_end_is_exclusive_upper_bound() {
+        assert_eq!(prefix_end(b"/rootrank/v1/"), b"/rootrank/v10".to_vec());
+        assert_eq!(prefix_end(b"a\xff"), b"b".to_vec());
+    }
+
+    #[test]
+    fn backoff_grows_to_its_cap() {
+        let mut b = Backoff::new(Duration::from_millis(10), Duration::from_millis(100));
+        let pauses: Vec<_> = (0..8).map(|_| b.next_pause()).collect();
+        assert!(pauses[0] >= Duration::from_millis(10) && pauses[0] < Duration::from_millis(13));
+        assert!(pauses[7] >= Duration::from_millis(100) && pauses[7] <= Duration::from_millis(125));
+    }
+}

@@ -1,0 +1,398 @@
+//! The agent's thread: a private single-threaded runtime running two tasks, the liveness
+//! loop (register, keep alive, re-register after a lost lease) and the publisher (drain the
+//! queue into etcd, retrying each item until it is written).
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use rootrank_core::records::{DownSource, RankDown, RankLive, RoomFailure, SCHEMA_VERSION};
+use rootrank_core::{time, Incarnation, Keys, Reason};
+use rootrank_store::etcd_client::{Client, PutOptions};
+use rootrank_store::{Backoff, RetentionLeases};
+use tokio::sync::{mpsc, watch};
+use tracing::{debug, info, info_span, warn, Instrument};
+
+use crate::{AgentConfig, Command, Shared, AGENT_VERSION};
+
+type Attachments = Arc<Mutex<BTreeMap<String, Vec<u8>>>>;
+
+pub(crate) fn run(config: AgentConfig, rx: mpsc::Receiver<Command>, shared: Arc<Shared>) {
+    let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            warn!(error = %e, "rootrank agent could not build its runtime; nothing will be published");
+            return;
+        }
+    };
+    let span = info_span!("agent", group = %config.group, rank = config.rank);
+    rt.block_on(
+        async move {
+            let client = connect_with_retry(&config.endpoints).await;
+            let attachments: Attachments = Arc::default();
+            let registered_revision = Arc::new(AtomicI64::new(0));
+            let (stop_tx, stop_rx) = watch::channel(false);
+            let live = tokio::spawn(
+                liveness(
+                    config.clone(),
+                    client.clone(),
+                    shared.clone(),
+                    attachments.clone(),
+                    registered_revision.clone(),
+                    stop_rx,
+                )
+                .in_current_span(),
+            );
+            publisher(config, client, shared, attachments, registered_revision, rx).await;
+            let _ = stop_tx.send(true);
+            let _ = live.await;
+        }
+        .instrument(span),
+    );
+}
+
+async fn connect_with_retry(endpoints: &[String]) -> Client {
+    let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(2));
+    loop {
+        match rootrank_store::connect(endpoints).await {
+            Ok(c) => return c,
+            Err(e) => {
+                warn!(error = %e, "agent cannot reach etcd yet; retrying");
+                tokio::time::sleep(backoff.next_pause()).await;
+            }
+        }
+    }
+}
+
+fn lease_ttl_secs(config: &AgentConfig) -> i64 {
+    // etcd leases are granted in whole seconds.
+    config.lease_ttl.as_secs_f64().ceil().max(1.0) as i64
+}
+
+fn live_record(config: &AgentConfig, started_at: &str) -> Vec<u8> {
+    let rec = RankLive {
+        v: SCHEMA_VERSION,
+        group: config.group.clone(),
+        rank: config.rank,
+        group_size: config.group_size,
+        role: config.role.clone(),
+        host: config.host.clone(),
+        pid: Some(config.pid),
+        boot_id: crate::read_trimmed("/proc/sys/kernel/random/boot_id"),
+        started_at: Some(started_at.to_string()),
+        lease_ttl_ms: Some((lease_ttl_secs(config) * 1000) as u64),
+        agent: Some(AGENT_VERSION.to_string()),
+        nixl_agent: config.nixl_agent.clone(),
+        gpu: config.gpu.clone(),
+    };
+    serde_json::to_vec(&rec).unwrap_or_default()
+}
+
+/// Registers the live key and keeps its lease alive every TTL/3. A lost lease (etcd said it
+/// expired) means a new incarnation: register again.
+async fn liveness(
+    config: AgentConfig,
+    mut client: Client,
+    shared: Arc<Shared>,
+    attachments: Attachments,
+    registered_revision: Arc<AtomicI64>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let keys = Keys::new(&config.prefix);
+    let ttl = lease_ttl_secs(&config);
+    let interval = Duration::from_millis((ttl as u64 * 1000 / 3).max(50));
+    let started_at = time::format_ms(rootrank_store::unix_ms());
+    let live_key = keys.live(&config.group, config.rank);
+    let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
+    'register: loop {
+        if *stop.borrow() {
+            return;
+        }
+        // Register: a new lease, the live key and any attachments on it.
+        let lease = match client.lease_grant(ttl, None).await {
+            Ok(r) => r.id(),
+            Err(e) => {
+                warn!(error = %e, "agent could not grant its liveness lease; retrying");
+                tokio::select! { _ = tokio::time::sleep(backoff.next_pause()) => {}, _ = stop.changed() => return }
+                continue;
+            }
+        };
+        let opts = PutOptions::new().with_lease(lease);
+        match client
+            .put(live_key.clone(), live_record(&config, &started_at), Some(opts.clone()))
+            .await
+        {
+            Ok(r) => registered_revision.store(r.header().map_or(0, |h| h.revision()), Ordering::SeqCst),
+            Err(e) => {
+                warn!(error = %e, "agent could not write its live key; retrying");
+                tokio::select! { _ = tokio::time::sleep(backoff.next_pause()) => {}, _ = stop.changed() => return }
+                continue;
+            }
+        }
+        let attached: Vec<(String, Vec<u8>)> = attachments
+            .lock()
+            .map(|a| a.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
+            .unwrap_or_default();
+        for (suffix, value) in attached {
+            let key = format!(
+                "{}/groups/{}/ranks/{}/{suffix}",
+                keys.prefix(),
+                config.group,
+                config.rank
+            );
+            if let Err(e) = client.put(key, value, Some(opts.clone())).await {
+                warn!(error = %e, suffix, "agent could not re-attach a key to its new lease");
+            }
+        }
+        shared.set_incarnation(lease);
+        info!(incarnation = lease, ttl_s = ttl, "rank registered");
+        backoff.reset();
+
+        // Keep alive. Streams die with etcd restarts; re-open them for the same lease.
+        let mut last_ok = Instant::now();
+        loop {
+            let (mut keeper, mut stream) = match client.lease_keep_alive(lease).await {
+                Ok(ks) => ks,
+                Err(e) => {
+                    debug!(error = %e, "keepalive stream failed to open");
+                    tokio::select! { _ = tokio::time::sleep(backoff.next_pause()) => {}, _ = stop.changed() => return }
+                    continue;
+                }
+            };
+            loop {
+                if *stop.borrow() {
+                    return;
+                }
+                let step = async {
+                    keeper.keep_alive().await?;
+                    stream.message().await
+                };
+                match tokio::time::timeout(rootrank_store::REQUEST_TIMEOUT, step).await {
+                    Ok(Ok(Some(resp))) if resp.ttl() > 0 => {
+                        last_ok = Instant::now();
+                        backoff.reset();
+                    }
+                    Ok(Ok(Some(_))) => {
+                        warn!(incarnation = lease, "liveness lease expired (etcd unreachable for longer than the TTL); registering a new incarnation");
+                        continue 'register;
+                    }
+                    other => {
+                        debug!(
+                            ?other,
+                            since_ok_ms = last_ok.elapsed().as_millis() as u64,
+                            "keepalive failed; reopening"
+                        );
+                        tokio::select! { _ = tokio::time::sleep(backoff.next_pause()) => {}, _ = stop.changed() => return }
+                        break;
+                    }
+                }
+                tokio::select! { _ = tokio::time::sleep(interval) => {}, _ = stop.changed() => return }
+            }
+        }
+    }
+}
+
+/// Drains the queue in order. Each item is retried until etcd takes it, so nothing that
+/// entered the queue is lost to an etcd restart.
+async fn publisher(
+    config: AgentConfig,
+    mut client: Client,
+    shared: Arc<Shared>,
+    attachments: Attachments,
+    registered_revision: Arc<AtomicI64>,
+    mut rx: mpsc::Receiver<Command>,
+) {
+    let keys = Keys::new(&config.prefix);
+    let mut retention = RetentionLeases::new(config.retention);
+    let mut backoff = Backoff::new(Duration::from_millis(20), Duration::from_secs(1));
+    while let Some(cmd) = rx.recv().await {
+        match cmd {
+            Command::Failure(f) => {
+                let span = info_span!("room_failure", room = %f.room, origin = f.origin.as_str(), reason = %f.reason);
+                let rec = RoomFailure {
+                    v: SCHEMA_VERSION,
+                    group: config.group.clone(),
+                    rank: config.rank,
+                    room: f.room,
+                    origin: f.origin,
+                    reason: f.reason,
+                    detail: f.detail,
+                    at: Some(time::format_ms(f.at_ms)),
+                    incarnation: Incarnation::new(shared.incarnation.load(Ordering::SeqCst)).ok(),
+                    peer: f.peer,
+                };
+                let key = keys.room(&config.group, f.room, config.rank);
+                let value = serde_json::to_vec(&rec).unwrap_or_default();
+                loop {
+                    let res = async {
+                        let lease = retention.lease(&mut client).await?;
+                        rootrank_store::create_if_absent(&mut client, &key, value.clone(), Some(lease)).await
+                    }
+                    .await;
+                    match res {
+                        Ok(written) => {
+                            shared.stats.published.fetch_add(1, Ordering::Relaxed);
+                            span.in_scope(|| debug!(written, "room failure published"));
+                            backoff.reset();
+                            break;
+                        }
+                        Err(e) => {
+                            if rootrank_store::is_lease_not_found(&e) {
+                                retention.invalidate();
+                            }
+                            shared.stats.retries.fetch_add(1, Ordering::Relaxed);
+                            span.in_scope(|| debug!(error = %e, "room failure not yet published; retrying"));
+                            tokio::time::sleep(backoff.next_pause()).await;
+                        }
+                    }
+                }
+            }
+            Command::Down {
+                reason,
+                detail,
+                log_tail,
+                at_ms,
+            } => {
+                write_certificate(
+                    &config,
+                    &keys,
+                    &mut client,
+                    &shared,
+                    &registered_revision,
+                    &mut retention,
+                    &mut backoff,
+                    reason,
+                    detail,
+                    log_tail,
+                    at_ms,
+                )
+                .await;
+            }
+            Command::Attach { suffix, value } => {
+                if let Ok(mut a) = attachments.lock() {
+                    a.insert(suffix.clone(), value.clone());
+                }
+                let lease = wait_incarnation(&shared).await;
+                let key = format!(
+                    "{}/groups/{}/ranks/{}/{suffix}",
+                    keys.prefix(),
+                    config.group,
+                    config.rank
+                );
+                let mut tries = 0;
+                while let Err(e) = client
+                    .put(
+                        key.clone(),
+                        value.clone(),
+                        Some(PutOptions::new().with_lease(lease.lease_id())),
+                    )
+                    .await
+                {
+                    tries += 1;
+                    // The liveness loop re-attaches after a re-registration; give up here.
+                    if tries > 20 {
+                        warn!(error = %e, suffix, "could not attach a key to the liveness lease");
+                        break;
+                    }
+                    tokio::time::sleep(backoff.next_pause()).await;
+                }
+            }
+            Command::Flush(done) => {
+                let _ = done.send(());
+            }
+            Command::Shutdown { clean, done } => {
+                if clean {
+                    let reason = Reason::well_known(rootrank_core::ids::reasons::SHUTDOWN);
+                    write_certificate(
+                        &config,
+                        &keys,
+                        &mut client,
+                        &shared,
+                        &registered_revision,
+                        &mut retention,
+                        &mut backoff,
+                        reason,
+                        "clean exit".into(),
+                        None,
+                        rootrank_store::unix_ms(),
+                    )
+                    .await;
+                    let lease = shared.incarnation.load(Ordering::SeqCst);
+                    if lease > 0 {
+                        if let Err(e) = client.lease_revoke(lease).await {
+                            warn!(error = %e, "could not revoke the liveness lease; it will expire");
+                        }
+                    }
+                    info!("rank shut down cleanly");
+                }
+                let _ = done.send(());
+                return;
+            }
+        }
+    }
+}
+
+async fn wait_incarnation(shared: &Shared) -> Incarnation {
+    loop {
+        if let Ok(i) = Incarnation::new(shared.incarnation.load(Ordering::SeqCst)) {
+            return i;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn write_certificate(
+    config: &AgentConfig,
+    keys: &Keys,
+    client: &mut Client,
+    shared: &Shared,
+    registered_revision: &AtomicI64,
+    retention: &mut RetentionLeases,
+    backoff: &mut Backoff,
+    reason: Reason,
+    detail: String,
+    log_tail: Option<Vec<String>>,
+    at_ms: i64,
+) {
+    let incarnation = wait_incarnation(shared).await;
+    let down = RankDown {
+        v: SCHEMA_VERSION,
+        group: config.group.clone(),
+        rank: config.rank,
+        incarnation,
+        reason,
+        detail,
+        source: DownSource::Agent,
+        at: Some(time::format_ms(at_ms)),
+        exit: None,
+        log_tail,
+        host: config.host.clone(),
+        pid: Some(config.pid),
+        observed_revision: None,
+        registered_revision: Some(registered_revision.load(Ordering::SeqCst)).filter(|r| *r > 0),
+    };
+    let key = keys.down(&config.group, config.rank, incarnation);
+    loop {
+        let res = async {
+            let lease = retention.lease(client).await?;
+            rootrank_store::put_certificate(client, &key, &down, Some(lease)).await
+        }
+        .await;
+        match res {
+            Ok(_) => {
+                info!(reason = %down.reason, incarnation = %incarnation, "down certificate written");
+                backoff.reset();
+                return;
+            }
+            Err(e) => {
+                if rootrank_store::is_lease_not_found(&e) {
+                    retention.invalidate();
+                }
+                shared.stats.retries.fetch_add(1, Ordering::Relaxed);
+                tokio::time::sleep(backoff.next_pause()).await;
+            }
+        }
+    }
+}

@@ -1,0 +1,269 @@
+//! The HTTP API of SPEC section 6. Handlers only parse, lock the index for reading, and
+//! serialize; the verdict itself comes from the core.
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::extract::{MatchedPath, Path, RawQuery, Request, State};
+use axum::http::{header, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::{Json, Router};
+use rootrank_core::{GroupId, RoomId, Status, VerdictQuery};
+use serde_json::json;
+
+use crate::Shared;
+
+/// Longest URI accepted; anything longer is bad input, answered before any work.
+pub const MAX_URI_BYTES: usize = 8 * 1024;
+/// Longest long poll (SPEC: `wait_ms` 0..=30000).
+pub const MAX_WAIT_MS: u64 = 30_000;
+
+pub fn router(shared: Arc<Shared>) -> Router {
+    Router::new()
+        .route("/v1/rooms/{room}/verdict", get(verdict))
+        .route("/v1/groups", get(groups))
+        .route("/v1/groups/{group}", get(group))
+        .route("/v1/failures", get(failures))
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz))
+        .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such route; see SPEC section 6 (GET /v1/rooms/{room}/verdict, /v1/groups, /v1/failures, /metrics, /healthz, /readyz)") })
+        .method_not_allowed_fallback(|| async { ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed", "rootrank's API is read-only: use GET") })
+        .layer(middleware::from_fn_with_state(shared.clone(), observe))
+        .with_state(shared)
+}
+
+/// A JSON error: `{"error": {"code", "message"}}`.
+#[derive(Debug)]
+pub struct ApiError {
+    status: StatusCode,
+    code: &'static str,
+    message: String,
+}
+
+impl ApiError {
+    pub fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
+        ApiError {
+            status,
+            code,
+            message: message.into(),
+        }
+    }
+    fn bad(code: &'static str, message: impl Into<String>) -> Self {
+        ApiError::new(StatusCode::BAD_REQUEST, code, message)
+    }
+    fn not_ready() -> Self {
+        ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not_ready",
+            "the coordinator has not finished loading from etcd, or its watch is down; retry shortly (see /readyz)",
+        )
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (
+            self.status,
+            Json(json!({"error": {"code": self.code, "message": self.message}})),
+        )
+            .into_response()
+    }
+}
+
+/// Times every request into `rootrank_http_request_duration_seconds`, and turns away
+/// oversized URIs before any handler sees them.
+async fn observe(State(shared): State<Arc<Shared>>, req: Request, next: Next) -> Response {
+    let start = Instant::now();
+    let route = req
+        .extensions()
+        .get::<MatchedPath>()
+        .map_or("unmatched", |p| p.as_str())
+        .to_string();
+    let resp = if req.uri().to_string().len() > MAX_URI_BYTES {
+        ApiError::bad("request_too_large", format!("request URI over {MAX_URI_BYTES} bytes")).into_response()
+    } else {
+        next.run(req).await
+    };
+    let route = if route == "unmatched" {
+        "unmatched"
+    } else {
+        route.as_str()
+    };
+    shared
+        .metrics
+        .http_duration
+        .with_label_values(&[route, resp.status().as_str()])
+        .observe(start.elapsed().as_secs_f64());
+    resp
+}
+
+fn parse_query(raw: Option<String>, allowed: &[&str]) -> Result<HashMap<String, String>, ApiError> {
+    let pairs: Vec<(String, String)> = match raw.as_deref() {
+        None | Some("") => Vec::new(),
+        Some(q) => {
+            serde_urlencoded::from_str(q).map_err(|e| ApiError::bad("invalid_query", format!("query string: {e}")))?
+        }
+    };
+    let mut out = HashMap::new();
+    for (k, v) in pairs {
+        if !allowed.contains(&k.as_str()) {
+            return Err(ApiError::bad(
+                "invalid_query",
+                format!(
+                    "unknown query parameter {:?}; allowed: {}",
+                    truncate(&k),
+                    allowed.join(", ")
+                ),
+            ));
+        }
+        if out.insert(k.clone(), v).is_some() {
+            return Err(ApiError::bad(
+                "invalid_query",
+                format!("query parameter {k:?} given twice"),
+            ));
+        }
+    }
+    Ok(out)
+}
+
+fn truncate(s: &str) -> String {
+    s.chars().take(64).collect()
+}
+
+fn parse_group(s: &str) -> Result<GroupId, ApiError> {
+    GroupId::new(s).map_err(|e| ApiError::bad("invalid_group", e.to_string()))
+}
+
+fn ensure_ready(shared: &Shared) -> Result<(), ApiError> {
+    if shared.ready.load(Ordering::SeqCst) {
+        Ok(())
+    } else {
+        Err(ApiError::not_ready())
+    }
+}
+
+async fn verdict(
+    State(shared): State<Arc<Shared>>,
+    room: Result<Path<String>, axum::extract::rejection::PathRejection>,
+    RawQuery(raw): RawQuery,
+) -> Result<Response, ApiError> {
+    let Path(room) = room.map_err(|e| ApiError::bad("invalid_room", e.body_text()))?;
+    let room = RoomId::parse(&room).map_err(|e| ApiError::bad("invalid_room", e.to_string()))?;
+    let q = parse_query(raw, &["group", "wait_ms", "asking_rank"])?;
+    let group = q.get("group").map(|g| parse_group(g)).transpose()?;
+    let wait_ms = match q.get("wait_ms") {
+        None => 0,
+        Some(w) => match w.parse::<u64>() {
+            Ok(ms) if ms <= MAX_WAIT_MS && w.bytes().all(|c| c.is_ascii_digit()) => ms,
+            _ => {
+                return Err(ApiError::bad(
+                    "invalid_wait_ms",
+                    format!("wait_ms {:?}: an integer 0..={MAX_WAIT_MS}", truncate(w)),
+                ))
+            }
+        },
+    };
+    let asking_rank = q
+        .get("asking_rank")
+        .map(|r| rootrank_core::ids::parse_rank(r).map_err(|e| ApiError::bad("invalid_asking_rank", e.to_string())))
+        .transpose()?;
+    ensure_ready(&shared)?;
+    let asked_at_ms = rootrank_store::unix_ms();
+    let deadline = Instant::now() + Duration::from_millis(wait_ms);
+    let mut revisions = shared.revision_tx.subscribe();
+    tracing::debug!(%room, group = group.as_ref().map(|g| g.as_str()), asking_rank, wait_ms, "verdict asked");
+    let verdict = loop {
+        revisions.mark_unchanged();
+        let query = VerdictQuery {
+            room,
+            group: group.clone(),
+            asked_at_ms,
+            now_ms: rootrank_store::unix_ms(),
+        };
+        let v = shared.index.read().map_err(|_| ApiError::not_ready())?.verdict(&query);
+        let now = Instant::now();
+        if v.status == Status::Resolved || now >= deadline {
+            break v;
+        }
+        // Wake on the next applied revision, or when the wait ends.
+        let _ = tokio::time::timeout(deadline - now, revisions.changed()).await;
+    };
+    shared
+        .metrics
+        .verdicts
+        .with_label_values(&[verdict.status.as_str()])
+        .inc();
+    Ok(Json(verdict).into_response())
+}
+
+async fn groups(State(shared): State<Arc<Shared>>, RawQuery(raw): RawQuery) -> Result<Response, ApiError> {
+    parse_query(raw, &[])?;
+    ensure_ready(&shared)?;
+    let groups = shared.index.read().map_err(|_| ApiError::not_ready())?.groups();
+    Ok(Json(json!({ "groups": groups })).into_response())
+}
+
+async fn group(
+    State(shared): State<Arc<Shared>>,
+    group: Result<Path<String>, axum::extract::rejection::PathRejection>,
+    RawQuery(raw): RawQuery,
+) -> Result<Response, ApiError> {
+    let Path(group) = group.map_err(|e| ApiError::bad("invalid_group", e.body_text()))?;
+    let group = parse_group(&group)?;
+    parse_query(raw, &[])?;
+    ensure_ready(&shared)?;
+    let view = shared.index.read().map_err(|_| ApiError::not_ready())?.group(&group);
+    match view {
+        Some(v) => Ok(Json(v).into_response()),
+        None => Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            "unknown_group",
+            format!("no rank of group {group} has ever registered or reported (see GET /v1/groups)"),
+        )),
+    }
+}
+
+async fn failures(State(shared): State<Arc<Shared>>, RawQuery(raw): RawQuery) -> Result<Response, ApiError> {
+    let q = parse_query(raw, &["group", "limit"])?;
+    let group = q.get("group").map(|g| parse_group(g)).transpose()?;
+    let limit = match q.get("limit") {
+        None => 50,
+        Some(l) => match l.parse::<usize>() {
+            Ok(n) if (1..=1000).contains(&n) => n,
+            _ => {
+                return Err(ApiError::bad(
+                    "invalid_limit",
+                    format!("limit {:?}: an integer 1..=1000", truncate(l)),
+                ))
+            }
+        },
+    };
+    ensure_ready(&shared)?;
+    let list = shared
+        .index
+        .read()
+        .map_err(|_| ApiError::not_ready())?
+        .recent_failures(group.as_ref(), limit);
+    Ok(Json(json!({ "failures": list })).into_response())
+}
+
+async fn metrics(State(shared): State<Arc<Shared>>) -> Response {
+    let body = match shared.index.read() {
+        Ok(idx) => shared.metrics.render(&idx),
+        Err(_) => String::new(),
+    };
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body).into_response()
+}
+
+async fn readyz(State(shared): State<Arc<Shared>>) -> Response {
+    if shared.ready.load(Ordering::SeqCst) {
+        (StatusCode::OK, "ready\n").into_response()
+    } else {
+        ApiError::not_ready().into_response()
+    }
+}

@@ -1,0 +1,127 @@
+//! The metrics of SPEC section 8. No room id ever becomes a label: rooms are unbounded.
+
+use prometheus::{
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+    TextEncoder,
+};
+
+use rootrank_core::Index;
+
+pub struct Metrics {
+    registry: Registry,
+    pub root_causes: IntCounterVec,
+    pub verdicts: IntCounterVec,
+    pub failure_records: IntCounterVec,
+    pub invalid_records: IntCounterVec,
+    pub rank_up: IntGaugeVec,
+    pub index_rooms: IntGauge,
+    pub resolution_seconds: Histogram,
+    pub watch_restarts: IntCounter,
+    pub http_duration: HistogramVec,
+}
+
+impl Metrics {
+    pub fn new() -> Result<Self, prometheus::Error> {
+        let registry = Registry::new();
+        let root_causes = IntCounterVec::new(
+            Opts::new(
+                "rootrank_root_causes_total",
+                "Rooms resolved, by the rank that really failed them and why",
+            ),
+            &["group", "rank", "reason", "source"],
+        )?;
+        let verdicts = IntCounterVec::new(
+            Opts::new("rootrank_verdicts_total", "Verdicts served, by status"),
+            &["status"],
+        )?;
+        let failure_records = IntCounterVec::new(
+            Opts::new(
+                "rootrank_failure_records_total",
+                "Room failure records indexed, by group and origin",
+            ),
+            &["group", "origin"],
+        )?;
+        let invalid_records = IntCounterVec::new(
+            Opts::new(
+                "rootrank_invalid_records_total",
+                "Malformed values found in etcd and skipped, by kind",
+            ),
+            &["kind"],
+        )?;
+        let rank_up = IntGaugeVec::new(
+            Opts::new(
+                "rootrank_rank_up",
+                "1 while the rank's live key exists and it is not certified down",
+            ),
+            &["group", "rank"],
+        )?;
+        let index_rooms = IntGauge::new("rootrank_index_rooms", "Rooms held in the coordinator's index")?;
+        let resolution_seconds = Histogram::with_opts(
+            HistogramOpts::new(
+                "rootrank_resolution_seconds",
+                "From a room's first record to its verdict resolving",
+            )
+            .buckets(vec![
+                0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 7.5, 10.0, 30.0, 60.0,
+            ]),
+        )?;
+        let watch_restarts = IntCounter::new(
+            "rootrank_etcd_watch_restarts_total",
+            "etcd watches re-created after an error, disconnect or compaction",
+        )?;
+        let http_duration = HistogramVec::new(
+            HistogramOpts::new(
+                "rootrank_http_request_duration_seconds",
+                "HTTP request latency, by route and status",
+            )
+            .buckets(vec![
+                0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0,
+            ]),
+            &["route", "status"],
+        )?;
+        registry.register(Box::new(root_causes.clone()))?;
+        registry.register(Box::new(verdicts.clone()))?;
+        registry.register(Box::new(failure_records.clone()))?;
+        registry.register(Box::new(invalid_records.clone()))?;
+        registry.register(Box::new(rank_up.clone()))?;
+        registry.register(Box::new(index_rooms.clone()))?;
+        registry.register(Box::new(resolution_seconds.clone()))?;
+        registry.register(Box::new(watch_restarts.clone()))?;
+        registry.register(Box::new(http_duration.clone()))?;
+        // Every status appears from the start, so dashboards see zeros rather than gaps.
+        for s in ["resolved", "pending", "unknown"] {
+            verdicts.with_label_values(&[s]);
+        }
+        for k in ["key", "live", "down", "room"] {
+            invalid_records.with_label_values(&[k]);
+        }
+        Ok(Metrics {
+            registry,
+            root_causes,
+            verdicts,
+            failure_records,
+            invalid_records,
+            rank_up,
+            index_rooms,
+            resolution_seconds,
+            watch_restarts,
+            http_duration,
+        })
+    }
+
+    /// Renders the text exposition; gauges derived from the index are refreshed first.
+    pub fn render(&self, index: &Index) -> String {
+        self.rank_up.reset();
+        for (g, r, up) in index.rank_liveness() {
+            self.rank_up
+                .with_label_values(&[g.as_str(), &r.to_string()])
+                .set(i64::from(up));
+        }
+        self.index_rooms.set(index.room_count() as i64);
+        let mut buf = Vec::new();
+        if TextEncoder::new().encode(&self.registry.gather(), &mut buf).is_err() {
+            return String::new();
+        }
+        String::from_utf8(buf).unwrap_or_default()
+    }
+}

@@ -1,0 +1,319 @@
+//! Keeps the index equal to etcd: snapshot at a revision, then watch from revision + 1.
+//!
+//! - A watch error or disconnect re-creates the watch from the last applied revision + 1
+//!   (etcd-client does not drop a dead endpoint, so this happens whenever one member dies).
+//! - A compacted start revision cancels the watch: the index is rebuilt from a new snapshot.
+//! - Live keys that vanish without a certificate are persisted as `source: coordinator`
+//!   certificates, create-if-absent, so every replica and every restart sees the same death.
+
+use std::collections::HashSet;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use rootrank_core::records::{DownSource, RankDown, SCHEMA_VERSION};
+use rootrank_core::{time, Event, Index, Keys, Output, Reason};
+use rootrank_store::etcd_client::{Client, EventType, WatchOptions};
+use rootrank_store::{Backoff, RetentionLeases};
+use tokio::sync::mpsc;
+use tracing::{debug, info, warn};
+
+use crate::{CoordinatorConfig, Shared};
+
+/// Runs forever (until aborted).
+pub async fn run(config: CoordinatorConfig, shared: Arc<Shared>) {
+    let (cert_tx, cert_rx) = mpsc::unbounded_channel();
+    tokio::spawn(certificate_writer(config.clone(), cert_rx));
+    let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(2));
+    let mut client: Option<Client> = None;
+    let mut need_snapshot = true;
+    let mut first_watch = true;
+    let mut logged_invalid: HashSet<String> = HashSet::new();
+    loop {
+        let c = match &client {
+            Some(c) => c.clone(),
+            None => match rootrank_store::connect(&config.endpoints).await {
+                Ok(c) => {
+                    client = Some(c.clone());
+                    c
+                }
+                Err(e) => {
+                    warn!(error = %e, "coordinator cannot reach etcd; retrying");
+                    tokio::time::sleep(backoff.next_pause()).await;
+                    continue;
+                }
+            },
+        };
+        if need_snapshot {
+            match load(&config, &shared, c.clone(), &cert_tx, &mut logged_invalid).await {
+                Ok(rev) => {
+                    info!(
+                        revision = rev,
+                        rooms = shared.index.read().map(|i| i.room_count()).unwrap_or(0),
+                        "index loaded from etcd"
+                    );
+                    need_snapshot = false;
+                }
+                Err(e) => {
+                    warn!(error = %e, "snapshot failed; retrying");
+                    tokio::time::sleep(backoff.next_pause()).await;
+                    continue;
+                }
+            }
+        }
+        if !first_watch {
+            shared.metrics.watch_restarts.inc();
+        }
+        first_watch = false;
+        match watch(&config, &shared, c, &cert_tx, &mut logged_invalid, &mut backoff).await {
+            WatchEnd::Compacted => {
+                warn!("watch start revision was compacted; reloading the index from a fresh snapshot");
+                need_snapshot = true;
+            }
+            WatchEnd::Broken(e) => {
+                debug!(error = %e, "watch broke; re-creating from the last revision + 1");
+                tokio::time::sleep(backoff.next_pause()).await;
+            }
+        }
+        shared.ready.store(false, Ordering::SeqCst);
+    }
+}
+
+async fn load(
+    config: &CoordinatorConfig,
+    shared: &Shared,
+    mut client: Client,
+    cert_tx: &mpsc::UnboundedSender<Output>,
+    logged: &mut HashSet<String>,
+) -> Result<i64, rootrank_store::etcd_client::Error> {
+    let prefix = Keys::new(&config.index.prefix).root();
+    let (kvs, revision) = rootrank_store::snapshot(&mut client, &prefix, rootrank_store::unix_ms()).await?;
+    let mut fresh = Index::new(config.index.clone());
+    let outputs = fresh.load_snapshot(kvs, revision);
+    let previous = {
+        let Ok(mut idx) = shared.index.write() else {
+            return Ok(revision);
+        };
+        let prev = idx.revision();
+        *idx = fresh;
+        prev
+    };
+    // Counters count what this process has not counted yet; a reload after compaction
+    // re-reads records it already counted.
+    let outputs: Vec<Output> = outputs.into_iter().filter(|o| output_revision(o) > previous).collect();
+    handle_outputs(shared, outputs, cert_tx, logged, false);
+    shared.ready.store(true, Ordering::SeqCst);
+    shared.revision_tx.send_replace(revision);
+    Ok(revision)
+}
+
+enum WatchEnd {
+    Compacted,
+    Broken(String),
+}
+
+async fn watch(
+    config: &CoordinatorConfig,
+    shared: &Shared,
+    mut client: Client,
+    cert_tx: &mpsc::UnboundedSender<Output>,
+    logged: &mut HashSet<String>,
+    backoff: &mut Backoff,
+) -> WatchEnd {
+    let prefix = Keys::new(&config.index.prefix).root();
+    let start = shared.index.read().map(|i| i.revision()).unwrap_or(0) + 1;
+    let opts = WatchOptions::new()
+        .with_prefix()
+        .with_start_revision(start)
+        .with_prev_key()
+        .with_progress_notify();
+    let mut stream = match client.watch(prefix.as_str(), Some(opts)).await {
+        Ok(s) => s,
+        Err(e) => return WatchEnd::Broken(e.to_string()),
+    };
+    loop {
+        let msg = match stream.message().await {
+            Ok(Some(m)) => m,
+            Ok(None) => return WatchEnd::Broken("watch stream ended".into()),
+            Err(e) => return WatchEnd::Broken(e.to_string()),
+        };
+        if msg.compact_revision() > 0 {
+            return WatchEnd::Compacted;
+        }
+        if msg.canceled() {
+            return WatchEnd::Broken(format!("watch canceled: {}", msg.cancel_reason()));
+        }
+        if msg.created() {
+            shared.ready.store(true, Ordering::SeqCst);
+            backoff.reset();
+        }
+        let now = rootrank_store::unix_ms();
+        let header_rev = msg.header().map_or(0, |h| h.revision());
+        let mut outputs = Vec::new();
+        {
+            let Ok(mut idx) = shared.index.write() else {
+                return WatchEnd::Broken("index lock poisoned".into());
+            };
+            for ev in msg.events() {
+                let Some(kv) = ev.kv() else { continue };
+                let event = match ev.event_type() {
+                    EventType::Put => Event::Put {
+                        key: kv.key().to_vec(),
+                        value: kv.value().to_vec(),
+                        lease: kv.lease(),
+                        revision: kv.mod_revision(),
+                        observed_at_ms: now,
+                    },
+                    EventType::Delete => Event::Delete {
+                        key: kv.key().to_vec(),
+                        prev_lease: ev.prev_kv().map(|p| p.lease()),
+                        revision: kv.mod_revision(),
+                        observed_at_ms: now,
+                    },
+                };
+                outputs.extend(idx.apply(event));
+            }
+            // A progress notification (no events) also says the index is current to here.
+            if msg.events().is_empty() && header_rev > 0 {
+                idx.advance_to(header_rev);
+            }
+        }
+        handle_outputs(shared, outputs, cert_tx, logged, true);
+        let rev = shared.index.read().map(|i| i.revision()).unwrap_or(0);
+        shared.revision_tx.send_replace(rev);
+    }
+}
+
+fn output_revision(o: &Output) -> i64 {
+    match o {
+        Output::RecordAccepted { revision, .. }
+        | Output::RoomResolved { revision, .. }
+        | Output::LiveKeyVanished { revision, .. }
+        | Output::Invalid { revision, .. } => *revision,
+    }
+}
+
+fn handle_outputs(
+    shared: &Shared,
+    outputs: Vec<Output>,
+    cert_tx: &mpsc::UnboundedSender<Output>,
+    logged: &mut HashSet<String>,
+    live: bool,
+) {
+    let m = &shared.metrics;
+    for o in outputs {
+        match &o {
+            Output::RecordAccepted { group, origin, .. } => {
+                m.failure_records
+                    .with_label_values(&[group.as_str(), origin.as_str()])
+                    .inc();
+            }
+            Output::RoomResolved {
+                room,
+                group,
+                rank,
+                reason,
+                source,
+                first_record_observed_ms,
+                observed_ms,
+                ..
+            } => {
+                m.root_causes
+                    .with_label_values(&[group.as_str(), &rank.to_string(), reason.as_str(), source])
+                    .inc();
+                if live {
+                    m.resolution_seconds
+                        .observe((observed_ms - first_record_observed_ms).max(0) as f64 / 1000.0);
+                }
+                info!(%room, %group, rank, %reason, source, "room resolved");
+            }
+            Output::LiveKeyVanished {
+                group,
+                rank,
+                incarnation,
+                ..
+            } => {
+                info!(%group, rank, %incarnation, "live key vanished without a certificate: recording lease_expired");
+                let _ = cert_tx.send(o);
+            }
+            Output::Invalid { kind, key, error, .. } => {
+                m.invalid_records.with_label_values(&[kind]).inc();
+                // Logged once per key; the set is bounded so a flood cannot grow it forever.
+                if logged.len() < 10_000 && logged.insert(key.clone()) {
+                    warn!(kind, key, error, "skipping a malformed value in etcd");
+                }
+            }
+        }
+    }
+}
+
+/// Persists vanished live keys as coordinator certificates, retrying until etcd takes them.
+async fn certificate_writer(config: CoordinatorConfig, mut rx: mpsc::UnboundedReceiver<Output>) {
+    let keys = Keys::new(&config.index.prefix);
+    let mut retention = RetentionLeases::new(config.retention);
+    let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(2));
+    let mut client: Option<Client> = None;
+    while let Some(o) = rx.recv().await {
+        let Output::LiveKeyVanished {
+            group,
+            rank,
+            incarnation,
+            revision,
+            at_ms,
+            detail,
+            host,
+            pid,
+            registered_revision,
+        } = o
+        else {
+            continue;
+        };
+        let down = RankDown {
+            v: SCHEMA_VERSION,
+            group: group.clone(),
+            rank,
+            incarnation,
+            reason: Reason::well_known(rootrank_core::ids::reasons::LEASE_EXPIRED),
+            detail,
+            source: DownSource::Coordinator,
+            at: Some(time::format_ms(at_ms)),
+            exit: None,
+            log_tail: None,
+            host,
+            pid,
+            observed_revision: Some(revision),
+            registered_revision: Some(registered_revision),
+        };
+        let key = keys.down(&group, rank, incarnation);
+        loop {
+            let c = match &mut client {
+                Some(c) => c,
+                None => match rootrank_store::connect(&config.endpoints).await {
+                    Ok(c) => client.insert(c),
+                    Err(_) => {
+                        tokio::time::sleep(backoff.next_pause()).await;
+                        continue;
+                    }
+                },
+            };
+            let res = async {
+                let lease = retention.lease(c).await?;
+                rootrank_store::put_certificate(c, &key, &down, Some(lease)).await
+            }
+            .await;
+            match res {
+                Ok(_) => {
+                    backoff.reset();
+                    break;
+                }
+                Err(e) => {
+                    if rootrank_store::is_lease_not_found(&e) {
+                        retention.invalidate();
+                    }
+                    debug!(error = %e, key, "certificate not yet written; retrying");
+                    tokio::time::sleep(backoff.next_pause()).await;
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,76 @@
+//! Subcommands (SPEC section 7). Exit codes: 0 ok (or resolved), 1 error, 2 usage (clap),
+//! 3 verdict pending or unknown.
+
+mod client;
+mod rank;
+mod serve;
+mod status;
+mod why;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "rootrank",
+    version,
+    about = "Names the tensor-parallel rank that really failed a PD transfer, and why"
+)]
+pub struct Cli {
+    /// Logs as JSON lines (for log shippers) instead of text.
+    #[arg(long, global = true)]
+    pub json_logs: bool,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Flags shared by everything that talks to etcd.
+#[derive(clap::Args, Debug, Clone)]
+pub struct EtcdArgs {
+    /// etcd endpoints, comma-separated (e.g. http://10.0.0.1:2379,http://10.0.0.2:2379).
+    #[arg(long, env = "ROOTRANK_ETCD_ENDPOINTS", value_delimiter = ',')]
+    pub etcd_endpoints: Vec<String>,
+    /// Key prefix in etcd.
+    #[arg(long, env = "ROOTRANK_PREFIX", default_value = "/rootrank/v1")]
+    pub prefix: String,
+}
+
+/// Flags shared by the coordinator's clients.
+#[derive(clap::Args, Debug, Clone)]
+pub struct CoordinatorArgs {
+    /// The coordinator's URL.
+    #[arg(long, env = "ROOTRANK_COORDINATOR", default_value = "http://127.0.0.1:9750")]
+    pub coordinator: String,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Run the coordinator (with no --etcd-endpoints: with a private etcd of its own).
+    Serve(serve::ServeArgs),
+    /// Which rank really failed ROOM, and why.
+    Why(why::WhyArgs),
+    /// Groups and ranks at a glance.
+    Status(status::StatusArgs),
+    /// A scriptable rank with an embedded agent: reads commands on stdin (for tests and for
+    /// trying rootrank by hand). Type `help` for the commands.
+    #[command(hide = true)]
+    Rank(rank::RankArgs),
+}
+
+pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
+    match cli.command {
+        Command::Serve(a) => serve::run(a),
+        Command::Why(a) => why::run(a),
+        Command::Status(a) => status::run(a),
+        Command::Rank(a) => rank::run(a),
+    }
+}
+
+/// A runtime for subcommands that need one.
+pub fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?)
+}
