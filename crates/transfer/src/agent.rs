@@ -290,6 +290,11 @@ impl TransferAgent {
         self.peers.contains(peer)
     }
 
+    /// Whether NIXL itself holds metadata for `peer`.
+    pub fn nixl_knows_peer(&self, peer: &str) -> bool {
+        self.agent.check_remote_metadata(peer, None)
+    }
+
     /// Drops a peer's metadata (and its connection), so a restarted peer can
     /// be loaded again with its new metadata.
     pub fn forget_peer(&mut self, peer: &str) -> Result<(), TransferError> {
@@ -313,10 +318,14 @@ impl TransferAgent {
     ///
     /// Error classification: NIXL reports a dead peer only as
     /// `NIXL_ERR_BACKEND` from `post_xfer_req` / `get_xfer_status` (the
-    /// "remote agent ... was disconnected" text goes to stderr only). Such an
-    /// error becomes [`TransferError::Backend`] (reason `nixl_error`) with the
-    /// status name and the peer in its detail. It is not guessed to be a
-    /// disconnect: a backend error can as well be a bad descriptor.
+    /// "remote agent ... was disconnected" text goes to stderr only, and NIXL
+    /// 1.5.1 keeps the peer's metadata loaded). Such an error becomes
+    /// [`TransferError::Backend`] (reason `nixl_error`) with `op`, the status
+    /// name and `peer` set, so [`TransferError::is_transfer_failure`] is true.
+    /// It is not guessed to be a disconnect; a caller that knows the peer is
+    /// gone upgrades it with [`TransferError::confirm_disconnect`].
+    /// A peer that is alive but not progressing (SIGSTOP, partition) gives no
+    /// error at all: that is what `timeout` is for.
     pub fn write(
         &mut self,
         peer: &str,
@@ -433,6 +442,7 @@ impl TransferAgent {
                  died or disconnected (NIXL logs \"remote agent ... was disconnected\" on stderr \
                  then); forget_peer and reload it after it restarts"
             ),
+            peer: Some(peer.to_string()),
         }
     }
 

@@ -47,11 +47,14 @@ pub enum TransferError {
         status: String,
         /// Context: peer, sizes, and what to check.
         detail: String,
+        /// The remote agent, when the call was a transfer to one.
+        peer: Option<String>,
     },
 
-    /// A transfer to an established peer failed in a way NIXL attributes to
-    /// the connection: the peer's metadata was dropped by NIXL after the
-    /// error (see [`crate::TransferAgent::write`] for the rule).
+    /// A transfer to an established peer failed and the caller has
+    /// independent evidence that the peer is gone (its process exited, its
+    /// lease expired): see [`TransferError::confirm_disconnect`]. NIXL alone
+    /// cannot tell this apart from other backend errors through its C API.
     #[error(
         "peer {peer} disconnected during {op} ({status}); the peer process died or its \
          network went away; reload its metadata after it restarts"
@@ -118,11 +121,42 @@ impl TransferError {
         }
     }
 
+    /// Whether this is a backend error from a transfer already posted to a
+    /// loaded peer (`post_xfer_req` / `get_xfer_status`): what a dead or
+    /// disconnected peer looks like to NIXL's C API.
+    pub fn is_transfer_failure(&self) -> bool {
+        matches!(
+            self,
+            TransferError::Backend { op: "post_xfer_req" | "get_xfer_status", peer: Some(_), .. }
+        )
+    }
+
+    /// Upgrades a transfer failure ([`TransferError::is_transfer_failure`])
+    /// to [`TransferError::PeerDisconnected`] (reason `peer_disconnect`).
+    ///
+    /// Call it when something other than NIXL shows the peer is gone: its
+    /// process was reaped, its heartbeat or etcd lease expired. NIXL prints
+    /// "remote agent ... was disconnected" only to stderr and returns the
+    /// same `NIXL_ERR_BACKEND` as for any other backend failure, so this
+    /// crate does not guess. Other errors are returned unchanged.
+    pub fn confirm_disconnect(self) -> TransferError {
+        match self {
+            TransferError::Backend {
+                op: op @ ("post_xfer_req" | "get_xfer_status"),
+                status,
+                peer: Some(peer),
+                ..
+            } => TransferError::PeerDisconnected { peer, op, status },
+            other => other,
+        }
+    }
+
     pub(crate) fn backend(op: &'static str, err: &NixlError, detail: impl Into<String>) -> Self {
         TransferError::Backend {
             op,
             status: status_name(err).to_string(),
             detail: detail.into(),
+            peer: None,
         }
     }
 }
@@ -165,12 +199,21 @@ mod tests {
         assert_eq!(t.reason(), "transfer_timeout");
         assert_eq!(t.nixl_status(), None);
 
-        let d = TransferError::PeerDisconnected {
-            peer: "p".into(),
+        assert!(!e.is_transfer_failure(), "no peer, not a transfer");
+        let e = e.confirm_disconnect();
+        assert_eq!(e.reason(), "nixl_error");
+
+        let x = TransferError::Backend {
             op: "get_xfer_status",
             status: "NIXL_ERR_BACKEND".into(),
+            detail: String::new(),
+            peer: Some("p".into()),
         };
+        assert!(x.is_transfer_failure());
+        let d = x.confirm_disconnect();
         assert_eq!(d.reason(), "peer_disconnect");
+        assert_eq!(d.nixl_status(), Some("NIXL_ERR_BACKEND"));
+        assert!(matches!(d, TransferError::PeerDisconnected { ref peer, .. } if peer == "p"));
 
         let m = TransferError::LibraryMissing {
             wanted: "libnixl_capi.so".into(),
