@@ -51,9 +51,8 @@ struct DramBuf {
 
 impl DramBuf {
     fn new(len: usize) -> Result<DramBuf, TransferError> {
-        let layout = Layout::from_size_align(len, REGION_ALIGN).map_err(|e| {
-            TransferError::InvalidArgument(format!("region of {len} bytes: {e}"))
-        })?;
+        let layout = Layout::from_size_align(len, REGION_ALIGN)
+            .map_err(|e| TransferError::InvalidArgument(format!("region of {len} bytes: {e}")))?;
         // SAFETY: layout has a non-zero size (checked by the caller) and a
         // valid power-of-two alignment.
         let raw = unsafe { std::alloc::alloc_zeroed(layout) };
@@ -156,7 +155,10 @@ impl TransferAgent {
             TransferError::backend(
                 "create_agent",
                 &e,
-                format!("agent {name}; check the NIXL install ({})", lib.capi_path().display()),
+                format!(
+                    "agent {name}; check the NIXL install ({})",
+                    lib.capi_path().display()
+                ),
             )
         })?;
         let (_mems, params) = agent.get_plugin_params("UCX").map_err(|e| {
@@ -164,7 +166,9 @@ impl TransferAgent {
                 "get_plugin_params",
                 &e,
                 format!(
-                    "UCX plugin not usable from {}; check NIXL_PLUGIN_DIR",
+                    "UCX plugin not found or not loadable; NIXL_PLUGIN_DIR={} (the loaded \
+                     library's plugins are in {})",
+                    std::env::var("NIXL_PLUGIN_DIR").unwrap_or_default(),
                     lib.plugin_dir().display()
                 ),
             )
@@ -303,9 +307,9 @@ impl TransferAgent {
                 peer: peer.to_string(),
             });
         }
-        self.agent.invalidate_remote_md(peer).map_err(|e| {
-            TransferError::backend("invalidate_remote_md", &e, format!("peer {peer}"))
-        })
+        self.agent
+            .invalidate_remote_md(peer)
+            .map_err(|e| TransferError::backend("invalidate_remote_md", &e, format!("peer {peer}")))
     }
 
     /// WRITEs `len` bytes from `local_region[local_offset..]` to
@@ -326,6 +330,9 @@ impl TransferAgent {
     /// gone upgrades it with [`TransferError::confirm_disconnect`].
     /// A peer that is alive but not progressing (SIGSTOP, partition) gives no
     /// error at all: that is what `timeout` is for.
+    // The flat argument list mirrors a NIXL WRITE one to one (peer, local
+    // range, remote range, notification, deadline); callers name each.
+    #[allow(clippy::too_many_arguments)]
     pub fn write(
         &mut self,
         peer: &str,
@@ -399,7 +406,8 @@ impl TransferAgent {
 
         let start = Instant::now();
         let posted = self.agent.post_xfer_req(&req, Some(&opt));
-        let mut in_progress = posted.map_err(|e| self.transfer_error("post_xfer_req", &e, peer, len))?;
+        let mut in_progress =
+            posted.map_err(|e| self.transfer_error("post_xfer_req", &e, peer, len))?;
         while in_progress {
             match self.agent.get_xfer_status(&req) {
                 Ok(XferStatus::Success) => in_progress = false,
@@ -450,9 +458,9 @@ impl TransferAgent {
     pub fn notifications(&mut self) -> Result<Vec<(String, Vec<u8>)>, TransferError> {
         let mut map = NotificationMap::new()
             .map_err(|e| TransferError::backend("create_notif_map", &e, "notifications"))?;
-        self.agent
-            .get_notifications(&mut map, None)
-            .map_err(|e| TransferError::backend("get_notifs", &e, format!("agent {}", self.name)))?;
+        self.agent.get_notifications(&mut map, None).map_err(|e| {
+            TransferError::backend("get_notifs", &e, format!("agent {}", self.name))
+        })?;
         let mut out = Vec::new();
         let agents: Vec<String> = map
             .agents()

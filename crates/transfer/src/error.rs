@@ -127,7 +127,11 @@ impl TransferError {
     pub fn is_transfer_failure(&self) -> bool {
         matches!(
             self,
-            TransferError::Backend { op: "post_xfer_req" | "get_xfer_status", peer: Some(_), .. }
+            TransferError::Backend {
+                op: "post_xfer_req" | "get_xfer_status",
+                peer: Some(_),
+                ..
+            }
         )
     }
 

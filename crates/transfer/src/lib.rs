@@ -26,6 +26,4 @@ mod library;
 
 pub use agent::{RegionId, RemoteRegion, TransferAgent, TransferStats};
 pub use error::{status_name, TransferError};
-pub use library::{
-    NixlLibrary, CACHE_DIR, CAPI_LIB, NIXL_DIR_ENV, UCX_DEFAULTS, WHEEL_LIBS_DIR,
-};
+pub use library::{NixlLibrary, CACHE_DIR, CAPI_LIB, NIXL_DIR_ENV, UCX_DEFAULTS, WHEEL_LIBS_DIR};

@@ -127,7 +127,7 @@ impl NixlLibrary {
         let lib = unsafe { libloading::Library::new(&capi) }.map_err(|e| {
             TransferError::LibraryInvalid {
                 path: capi.clone(),
-                detail: format!("the dynamic loader refused it: {e}"),
+                detail: format!("the dynamic loader refused it: {}", error_chain(&e)),
             }
         })?;
 
@@ -167,6 +167,17 @@ impl NixlLibrary {
     pub fn plugin_dir(&self) -> &Path {
         &self.loaded.plugin_dir
     }
+}
+
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut cur = e.source();
+    while let Some(s) = cur {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        cur = s.source();
+    }
+    out
 }
 
 fn set_default_env(key: &str, value: &std::ffi::OsStr) {

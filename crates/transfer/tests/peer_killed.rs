@@ -23,7 +23,16 @@ fn sigkill_of_receiver_mid_transfer_is_a_typed_error_and_peer_can_be_reloaded() 
 
     // The link works before the kill.
     agent
-        .write(&name, src, 0, &remote, 0, LEN, b"warmup", Duration::from_secs(10))
+        .write(
+            &name,
+            src,
+            0,
+            &remote,
+            0,
+            LEN,
+            b"warmup",
+            Duration::from_secs(10),
+        )
         .expect("warm-up write");
     peer.wait_log("warmup", Duration::from_secs(10));
 
@@ -49,7 +58,10 @@ fn sigkill_of_receiver_mid_transfer_is_a_typed_error_and_peer_can_be_reloaded() 
             Ok(_) => writes_ok += 1,
             Err(e) => break (e, t.elapsed()),
         }
-        assert!(started.elapsed() < Duration::from_secs(30), "writes never failed");
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "writes never failed"
+        );
     };
     let failed_at = Instant::now();
     assert_eq!(killer.join().expect("killer thread"), 0, "kill succeeded");
@@ -60,10 +72,21 @@ fn sigkill_of_receiver_mid_transfer_is_a_typed_error_and_peer_can_be_reloaded() 
     eprintln!("  reason={} status={:?}", err.reason(), err.nixl_status());
     eprintln!("  surfaced {surfaced:?} after kill(2); the failing call took {call_took:?}");
 
-    assert!(call_took < timeout, "the failing write ran into its timeout: {err}");
-    assert!(surfaced < Duration::from_secs(2), "took {surfaced:?} to notice");
+    assert!(
+        call_took < timeout,
+        "the failing write ran into its timeout: {err}"
+    );
+    assert!(
+        surfaced < Duration::from_secs(2),
+        "took {surfaced:?} to notice"
+    );
     match &err {
-        TransferError::Backend { op, status, detail, peer: Some(p) } => {
+        TransferError::Backend {
+            op,
+            status,
+            detail,
+            peer: Some(p),
+        } => {
             assert!(["post_xfer_req", "get_xfer_status"].contains(op), "op {op}");
             assert_eq!(status, "NIXL_ERR_BACKEND");
             assert_eq!(p, &name);
@@ -78,7 +101,10 @@ fn sigkill_of_receiver_mid_transfer_is_a_typed_error_and_peer_can_be_reloaded() 
 
     // The test knows the process is dead (reaped): it may say so.
     let status = peer.child.wait().expect("reap");
-    assert_eq!(std::os::unix::process::ExitStatusExt::signal(&status), Some(libc::SIGKILL));
+    assert_eq!(
+        std::os::unix::process::ExitStatusExt::signal(&status),
+        Some(libc::SIGKILL)
+    );
     let confirmed = err.confirm_disconnect();
     assert_eq!(confirmed.reason(), "peer_disconnect");
     assert_eq!(confirmed.nixl_status(), Some("NIXL_ERR_BACKEND"));
@@ -87,7 +113,11 @@ fn sigkill_of_receiver_mid_transfer_is_a_typed_error_and_peer_can_be_reloaded() 
     let t = Instant::now();
     let again = agent.write(&name, src, 0, &remote, 0, 4096, b"", timeout);
     assert!(again.is_err(), "write to a dead peer succeeded");
-    assert!(t.elapsed() < Duration::from_secs(1), "took {:?}", t.elapsed());
+    assert!(
+        t.elapsed() < Duration::from_secs(1),
+        "took {:?}",
+        t.elapsed()
+    );
 
     // A restarted peer (same name, new metadata) is reachable after forget_peer.
     agent.forget_peer(&name).expect("forget dead peer");
@@ -100,14 +130,35 @@ fn sigkill_of_receiver_mid_transfer_is_a_typed_error_and_peer_can_be_reloaded() 
     let mut peer2 = Peer::spawn(&dir2, "decode-rank1", LEN);
     let (name2, remote2) = peer2.connect(&mut agent);
     assert_eq!(name2, name);
-    let msg = format!("check:0:{LEN}:{:016x}", fnv1a64(agent.region_bytes(src).expect("b")));
+    let msg = format!(
+        "check:0:{LEN}:{:016x}",
+        fnv1a64(agent.region_bytes(src).expect("b"))
+    );
     agent
-        .write(&name2, src, 0, &remote2, 0, LEN, msg.as_bytes(), Duration::from_secs(10))
+        .write(
+            &name2,
+            src,
+            0,
+            &remote2,
+            0,
+            LEN,
+            msg.as_bytes(),
+            Duration::from_secs(10),
+        )
         .expect("write to restarted peer");
     let line = peer2.wait_log(&msg, Duration::from_secs(10));
     assert!(line.ends_with(" ok"), "{line}");
     agent
-        .write(&name2, src, 0, &remote2, 0, 1, b"quit", Duration::from_secs(10))
+        .write(
+            &name2,
+            src,
+            0,
+            &remote2,
+            0,
+            1,
+            b"quit",
+            Duration::from_secs(10),
+        )
         .expect("quit");
     assert!(peer2.finish(Duration::from_secs(10)).success());
 }
