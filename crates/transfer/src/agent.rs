@@ -7,8 +7,8 @@ use std::ptr::NonNull;
 use std::time::{Duration, Instant};
 
 use nixl_sys::{
-    Agent, Backend, MemType, MemoryRegion, NixlDescriptor, NixlError, NotificationMap, OptArgs,
-    RegistrationHandle, XferDescList, XferOp, XferStatus,
+    Agent, AgentConfig, Backend, MemType, MemoryRegion, NixlDescriptor, NixlError, NotificationMap,
+    OptArgs, RegistrationHandle, XferDescList, XferOp, XferStatus,
 };
 use serde::{Deserialize, Serialize};
 
@@ -41,6 +41,97 @@ pub struct TransferStats {
     pub elapsed: Duration,
     /// Bytes written.
     pub bytes: u64,
+}
+
+/// Who drives NIXL/UCX progress for an agent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Progress {
+    /// NIXL's own default: a progress thread with no delay, which spins and
+    /// keeps one core busy per agent even when idle.
+    Spin,
+    /// A progress thread that waits up to `delay` for UCX events between
+    /// passes (NIXL's `pthrDelay`).
+    Thread {
+        /// Longest wait between progress passes.
+        delay: Duration,
+    },
+    /// No progress thread: UCX progresses only inside this agent's calls
+    /// (`write` polling, `notifications`). A receiver must then poll
+    /// `notifications` for WRITEs to it to complete.
+    Caller,
+}
+
+impl Progress {
+    /// Parses `spin`, `caller`, or a progress-thread delay in microseconds
+    /// (`0` means `spin`).
+    pub fn parse(v: &str) -> Result<Progress, TransferError> {
+        match v.trim() {
+            "spin" => Ok(Progress::Spin),
+            "caller" => Ok(Progress::Caller),
+            n => match n.parse::<u64>() {
+                Ok(0) => Ok(Progress::Spin),
+                Ok(us) => Ok(Progress::Thread {
+                    delay: Duration::from_micros(us),
+                }),
+                Err(_) => Err(TransferError::InvalidArgument(format!(
+                    "{PROGRESS_ENV}={v:?}: use spin, caller or a delay in microseconds"
+                ))),
+            },
+        }
+    }
+}
+
+/// Env var choosing [`Progress`] for [`TransferAgent::new`]: `spin`,
+/// `caller`, or a progress-thread delay in microseconds (e.g. `100`).
+pub const PROGRESS_ENV: &str = "ROOTRANK_NIXL_PROGRESS";
+
+/// Options for [`TransferAgent::with_options`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AgentOptions {
+    /// Who drives progress.
+    pub progress: Progress,
+}
+
+impl Default for AgentOptions {
+    fn default() -> Self {
+        AgentOptions {
+            progress: Progress::Thread {
+                delay: Duration::from_micros(100),
+            },
+        }
+    }
+}
+
+impl AgentOptions {
+    /// The defaults, with `ROOTRANK_NIXL_PROGRESS` applied when set.
+    pub fn from_env() -> Result<AgentOptions, TransferError> {
+        let mut opts = AgentOptions::default();
+        if let Ok(v) = std::env::var(PROGRESS_ENV) {
+            if !v.trim().is_empty() {
+                opts.progress = Progress::parse(&v)?;
+            }
+        }
+        Ok(opts)
+    }
+
+    fn agent_config(&self) -> AgentConfig {
+        let (thread, delay_us) = match self.progress {
+            Progress::Spin => (true, 0),
+            Progress::Thread { delay } => (
+                true,
+                u64::try_from(delay.as_micros()).unwrap_or(u64::MAX).max(1),
+            ),
+            Progress::Caller => (false, 0),
+        };
+        AgentConfig {
+            enable_prog_thread: thread,
+            // Metadata goes through the caller (etcd, files): no listener.
+            enable_listen_thread: false,
+            pthr_delay_us: delay_us,
+            thread_sync: nixl_sys::ThreadSync::Default,
+            ..AgentConfig::default()
+        }
+    }
 }
 
 /// Page-aligned, zeroed host memory, freed on drop.
@@ -144,14 +235,23 @@ const BUSY_POLL: Duration = Duration::from_millis(1);
 
 impl TransferAgent {
     /// Creates a NIXL agent called `name` with a UCX backend (default plugin
-    /// parameters).
+    /// parameters) and [`AgentOptions::from_env`].
     pub fn new(lib: &NixlLibrary, name: &str) -> Result<TransferAgent, TransferError> {
+        TransferAgent::with_options(lib, name, AgentOptions::from_env()?)
+    }
+
+    /// Like [`TransferAgent::new`], with explicit options.
+    pub fn with_options(
+        lib: &NixlLibrary,
+        name: &str,
+        options: AgentOptions,
+    ) -> Result<TransferAgent, TransferError> {
         if name.is_empty() || name.contains('\0') {
             return Err(TransferError::InvalidArgument(format!(
                 "agent name {name:?} must be non-empty and contain no NUL"
             )));
         }
-        let agent = Agent::new(name).map_err(|e| {
+        let agent = Agent::new_configured(name, &options.agent_config()).map_err(|e| {
             TransferError::backend(
                 "create_agent",
                 &e,
@@ -479,5 +579,39 @@ impl TransferAgent {
             }
         }
         Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn progress_parses() {
+        assert_eq!(Progress::parse("spin").ok(), Some(Progress::Spin));
+        assert_eq!(Progress::parse(" caller ").ok(), Some(Progress::Caller));
+        assert_eq!(Progress::parse("0").ok(), Some(Progress::Spin));
+        assert_eq!(
+            Progress::parse("250").ok(),
+            Some(Progress::Thread {
+                delay: Duration::from_micros(250)
+            })
+        );
+        let e = Progress::parse("fast").expect_err("bad value");
+        assert_eq!(e.reason(), "invalid_argument");
+        assert!(e.to_string().contains(PROGRESS_ENV));
+    }
+
+    #[test]
+    fn default_progress_is_a_waiting_thread() {
+        let cfg = AgentOptions::default().agent_config();
+        assert!(cfg.enable_prog_thread);
+        assert_eq!(cfg.pthr_delay_us, 100);
+        assert!(!cfg.enable_listen_thread);
+        let caller = AgentOptions {
+            progress: Progress::Caller,
+        }
+        .agent_config();
+        assert!(!caller.enable_prog_thread);
     }
 }
