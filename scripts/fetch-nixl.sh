@@ -23,6 +23,18 @@ if [[ -f "$MARKER" && -f "$CAPI" ]]; then
     exit 0
 fi
 
+# Serialise concurrent runs (parallel test processes): one unpacks, the
+# others wait and then find the marker.
+mkdir -p "$REPO_ROOT/.cache"
+if command -v flock >/dev/null 2>&1; then
+    exec 9>"$REPO_ROOT/.cache/.nixl.lock"
+    flock 9
+    if [[ -f "$MARKER" && -f "$CAPI" ]]; then
+        echo "NIXL $VERSION already unpacked in $DEST"
+        exit 0
+    fi
+fi
+
 PY="${PYTHON:-python3}"
 if ! command -v "$PY" >/dev/null 2>&1; then
     echo "error: $PY not found; it is needed to download and unpack the nixl-cu12 wheel" >&2
