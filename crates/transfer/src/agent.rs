@@ -380,13 +380,25 @@ impl TransferAgent {
                 "load_remote_md",
                 &e,
                 format!(
-                    "{} bytes of peer metadata; if the peer restarted, forget_peer it first",
+                    "{} bytes of peer metadata not loadable (corrupt, or an agent of that name \
+                     is already loaded: for a restarted peer use replace_peer)",
                     metadata.len()
                 ),
             )
         })?;
         self.peers.insert(name.clone());
         Ok(name)
+    }
+
+    /// Forgets `peer` if loaded, then loads `metadata`: for a peer that
+    /// restarted and published new metadata under the same name (NIXL
+    /// refuses to load a second copy of a known agent). Returns the name
+    /// found in `metadata`, which should be `peer`.
+    pub fn replace_peer(&mut self, peer: &str, metadata: &[u8]) -> Result<String, TransferError> {
+        if self.peers.contains(peer) {
+            self.forget_peer(peer)?;
+        }
+        self.load_peer(metadata)
     }
 
     /// Whether a peer's metadata is loaded.
@@ -500,8 +512,12 @@ impl TransferAgent {
                 TransferError::backend(
                     "create_xfer_req",
                     &e,
-                    ctx("is the remote region registered in the metadata that was loaded?"),
+                    ctx(&format!(
+                        "the remote range is not registered in the metadata loaded for {peer} \
+                         (stale metadata from before a restart? use replace_peer)"
+                    )),
                 )
+                .with_peer(peer)
             })?;
 
         let start = Instant::now();
@@ -548,7 +564,7 @@ impl TransferAgent {
             detail: format!(
                 "WRITE of {len} bytes to peer {peer} failed ({err}); the peer process may have \
                  died or disconnected (NIXL logs \"remote agent ... was disconnected\" on stderr \
-                 then); forget_peer and reload it after it restarts"
+                 then); after it restarts, load its new metadata with replace_peer"
             ),
             peer: Some(peer.to_string()),
         }

@@ -155,6 +155,13 @@ impl TransferError {
         }
     }
 
+    pub(crate) fn with_peer(mut self, name: &str) -> Self {
+        if let TransferError::Backend { peer, .. } = &mut self {
+            *peer = Some(name.to_string());
+        }
+        self
+    }
+
     pub(crate) fn backend(op: &'static str, err: &NixlError, detail: impl Into<String>) -> Self {
         TransferError::Backend {
             op,

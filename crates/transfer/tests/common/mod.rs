@@ -79,12 +79,13 @@ impl Peer {
         i32::try_from(self.child.id()).expect("pid fits i32")
     }
 
-    /// Waits for the peer's metadata and region, loads it into `agent`.
-    pub fn connect(&mut self, agent: &mut TransferAgent) -> (String, RemoteRegion) {
+    /// Waits for the peer's metadata and region descriptor files.
+    pub fn published(&mut self) -> (Vec<u8>, RemoteRegion) {
         let md_path = self.dir.join(format!("{}.md", self.name));
         let region_path = self.dir.join(format!("{}.region.json", self.name));
         let deadline = Instant::now() + Duration::from_secs(30);
-        while !(md_path.is_file() && region_path.is_file()) {
+        // The region file is renamed into place first, the metadata last.
+        while !md_path.is_file() {
             if let Ok(Some(status)) = self.child.try_wait() {
                 panic!("peer {} exited early: {status}", self.name);
             }
@@ -98,7 +99,12 @@ impl Peer {
         let region: RemoteRegion =
             serde_json::from_slice(&std::fs::read(&region_path).expect("read region"))
                 .expect("parse region");
-        let md = std::fs::read(&md_path).expect("read metadata");
+        (std::fs::read(&md_path).expect("read metadata"), region)
+    }
+
+    /// Waits for the peer's metadata and region, loads it into `agent`.
+    pub fn connect(&mut self, agent: &mut TransferAgent) -> (String, RemoteRegion) {
+        let (md, region) = self.published();
         let name = agent.load_peer(&md).expect("load peer metadata");
         assert_eq!(name, self.name);
         (name, region)
