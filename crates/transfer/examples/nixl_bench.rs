@@ -129,27 +129,16 @@ fn sender(notify: bool, scale: f64) -> Result<(), String> {
     result
 }
 
-fn run(
-    lib: &NixlLibrary,
-    dir: &Path,
-    child: &mut std::process::Child,
-    notify: bool,
-    scale: f64,
-) -> Result<(), String> {
+fn run(lib: &NixlLibrary, dir: &Path, child: &mut std::process::Child, notify: bool, scale: f64) -> Result<(), String> {
     let t0 = Instant::now();
     let mut agent = TransferAgent::new(lib, "bench-prefill").map_err(err)?;
     let agent_start = t0.elapsed();
     let src = agent.register_dram(MAX).map_err(err)?;
-    for (i, b) in agent
-        .region_bytes_mut(src)
-        .map_err(err)?
-        .iter_mut()
-        .enumerate()
-    {
+    for (i, b) in agent.region_bytes_mut(src).map_err(err)?.iter_mut().enumerate() {
         *b = (i % 251) as u8;
     }
-    let desc: RemoteRegion = serde_json::from_slice(&wait_file(&dir.join("region.json"), child)?)
-        .map_err(|e| e.to_string())?;
+    let desc: RemoteRegion =
+        serde_json::from_slice(&wait_file(&dir.join("region.json"), child)?).map_err(|e| e.to_string())?;
     let md = wait_file(&dir.join("md"), child)?;
     let t1 = Instant::now();
     let peer = agent.load_peer(&md).map_err(err)?;
@@ -206,8 +195,6 @@ fn run(
             mibs
         );
     }
-    agent
-        .write(&peer, src, 0, &desc, 0, 1, b"quit", TIMEOUT)
-        .map_err(err)?;
+    agent.write(&peer, src, 0, &desc, 0, 1, b"quit", TIMEOUT).map_err(err)?;
     Ok(())
 }

@@ -99,12 +99,14 @@ impl TransferError {
     /// * `"transfer_timeout"` — [`TransferError::Timeout`].
     /// * `"nixl_error"` — everything NIXL-related else: backend errors, a
     ///   missing or broken library, a peer that is not loaded.
-    /// * `"invalid_argument"` — caller mistakes.
+    /// * `"other"` — caller mistakes ([`TransferError::InvalidArgument`]).
+    ///
+    /// These are the well-known reasons of rootrank-core (`reasons::*`).
     pub fn reason(&self) -> &'static str {
         match self {
             TransferError::PeerDisconnected { .. } => "peer_disconnect",
             TransferError::Timeout { .. } => "transfer_timeout",
-            TransferError::InvalidArgument(_) => "invalid_argument",
+            TransferError::InvalidArgument(_) => "other",
             TransferError::LibraryMissing { .. }
             | TransferError::LibraryInvalid { .. }
             | TransferError::Backend { .. }
@@ -115,8 +117,7 @@ impl TransferError {
     /// The NIXL status name (e.g. `"NIXL_ERR_BACKEND"`) when NIXL returned one.
     pub fn nixl_status(&self) -> Option<&str> {
         match self {
-            TransferError::Backend { status, .. }
-            | TransferError::PeerDisconnected { status, .. } => Some(status),
+            TransferError::Backend { status, .. } | TransferError::PeerDisconnected { status, .. } => Some(status),
             _ => None,
         }
     }

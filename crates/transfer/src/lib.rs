@@ -24,8 +24,6 @@ mod agent;
 mod error;
 mod library;
 
-pub use agent::{
-    AgentOptions, Progress, RegionId, RemoteRegion, TransferAgent, TransferStats, PROGRESS_ENV,
-};
+pub use agent::{AgentOptions, Progress, RegionId, RemoteRegion, TransferAgent, TransferStats, PROGRESS_ENV};
 pub use error::{status_name, TransferError};
 pub use library::{NixlLibrary, CACHE_DIR, CAPI_LIB, NIXL_DIR_ENV, UCX_DEFAULTS, WHEEL_LIBS_DIR};

@@ -124,11 +124,9 @@ impl NixlLibrary {
         // SAFETY: loading a shared library runs its initialisers. This is the
         // NIXL C API from the nixl-cu12 wheel, whose initialisers only set up
         // its own statics; its dependencies are found through its RPATH.
-        let lib = unsafe { libloading::Library::new(&capi) }.map_err(|e| {
-            TransferError::LibraryInvalid {
-                path: capi.clone(),
-                detail: format!("the dynamic loader refused it: {}", error_chain(&e)),
-            }
+        let lib = unsafe { libloading::Library::new(&capi) }.map_err(|e| TransferError::LibraryInvalid {
+            path: capi.clone(),
+            detail: format!("the dynamic loader refused it: {}", error_chain(&e)),
         })?;
 
         // The stubs now dlopen("libnixl_capi.so") and get the object loaded
@@ -225,10 +223,7 @@ fn libs_dir_in(dir: &Path) -> Option<PathBuf> {
 }
 
 fn describe(candidates: &[PathBuf], explicit: bool) -> String {
-    let list: Vec<OsString> = candidates
-        .iter()
-        .map(|p| p.as_os_str().to_os_string())
-        .collect();
+    let list: Vec<OsString> = candidates.iter().map(|p| p.as_os_str().to_os_string()).collect();
     let joined = list
         .iter()
         .map(|s| s.to_string_lossy().into_owned())

@@ -19,9 +19,7 @@ fn env_dir_discovery_defaults_and_idempotent_load() {
     std::env::remove_var("UCX_TLS");
     std::env::set_var("UCX_MEM_EVENTS", "no"); // a user value is kept as is
     let lib = NixlLibrary::load(None).expect("load via ROOTRANK_NIXL_DIR");
-    assert!(lib
-        .capi_path()
-        .ends_with(".nixl_cu12.mesonpy.libs/libnixl_capi.so"));
+    assert!(lib.capi_path().ends_with(".nixl_cu12.mesonpy.libs/libnixl_capi.so"));
     assert!(lib.plugin_dir().join("libplugin_UCX.so").is_file());
     assert_eq!(std::env::var("UCX_TLS").as_deref(), Ok("tcp,self,sm"));
     assert_eq!(

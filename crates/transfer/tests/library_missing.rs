@@ -20,11 +20,7 @@ fn missing_library_is_a_clear_error_not_an_abort() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     eprintln!("status {:?}, stderr:\n{stderr}", out.status);
 
-    assert_eq!(
-        out.status.signal(),
-        None,
-        "killed by a signal (abort?): {stderr}"
-    );
+    assert_eq!(out.status.signal(), None, "killed by a signal (abort?): {stderr}");
     assert_ne!(out.status.code(), Some(134), "SIGABRT-style exit: {stderr}");
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("[nixl_error]"), "{stderr}");
@@ -34,10 +30,7 @@ fn missing_library_is_a_clear_error_not_an_abort() {
         stderr.contains(&empty.path().display().to_string()),
         "says where: {stderr}"
     );
-    assert!(
-        stderr.contains("scripts/fetch-nixl.sh"),
-        "says what to do: {stderr}"
-    );
+    assert!(stderr.contains("scripts/fetch-nixl.sh"), "says what to do: {stderr}");
     assert!(
         !stderr.contains("nixl error: libnixl_capi.so not found"),
         "stub abort text"

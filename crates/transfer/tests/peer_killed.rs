@@ -23,16 +23,7 @@ fn sigkill_of_receiver_mid_transfer_is_a_typed_error_and_peer_can_be_reloaded() 
 
     // The link works before the kill.
     agent
-        .write(
-            &name,
-            src,
-            0,
-            &remote,
-            0,
-            LEN,
-            b"warmup",
-            Duration::from_secs(10),
-        )
+        .write(&name, src, 0, &remote, 0, LEN, b"warmup", Duration::from_secs(10))
         .expect("warm-up write");
     peer.wait_log("warmup", Duration::from_secs(10));
 
@@ -58,10 +49,7 @@ fn sigkill_of_receiver_mid_transfer_is_a_typed_error_and_peer_can_be_reloaded() 
             Ok(_) => writes_ok += 1,
             Err(e) => break (e, t.elapsed()),
         }
-        assert!(
-            started.elapsed() < Duration::from_secs(30),
-            "writes never failed"
-        );
+        assert!(started.elapsed() < Duration::from_secs(30), "writes never failed");
     };
     let failed_at = Instant::now();
     assert_eq!(killer.join().expect("killer thread"), 0, "kill succeeded");
@@ -72,14 +60,8 @@ fn sigkill_of_receiver_mid_transfer_is_a_typed_error_and_peer_can_be_reloaded() 
     eprintln!("  reason={} status={:?}", err.reason(), err.nixl_status());
     eprintln!("  surfaced {surfaced:?} after kill(2); the failing call took {call_took:?}");
 
-    assert!(
-        call_took < timeout,
-        "the failing write ran into its timeout: {err}"
-    );
-    assert!(
-        surfaced < Duration::from_secs(2),
-        "took {surfaced:?} to notice"
-    );
+    assert!(call_took < timeout, "the failing write ran into its timeout: {err}");
+    assert!(surfaced < Duration::from_secs(2), "took {surfaced:?} to notice");
     match &err {
         TransferError::Backend {
             op,
@@ -113,11 +95,7 @@ fn sigkill_of_receiver_mid_transfer_is_a_typed_error_and_peer_can_be_reloaded() 
     let t = Instant::now();
     let again = agent.write(&name, src, 0, &remote, 0, 4096, b"", timeout);
     assert!(again.is_err(), "write to a dead peer succeeded");
-    assert!(
-        t.elapsed() < Duration::from_secs(1),
-        "took {:?}",
-        t.elapsed()
-    );
+    assert!(t.elapsed() < Duration::from_secs(1), "took {:?}", t.elapsed());
 
     // A restarted peer (same name, new metadata) is reachable after forget_peer.
     agent.forget_peer(&name).expect("forget dead peer");
@@ -130,10 +108,7 @@ fn sigkill_of_receiver_mid_transfer_is_a_typed_error_and_peer_can_be_reloaded() 
     let mut peer2 = Peer::spawn(&dir2, "decode-rank1", LEN);
     let (name2, remote2) = peer2.connect(&mut agent);
     assert_eq!(name2, name);
-    let msg = format!(
-        "check:0:{LEN}:{:016x}",
-        fnv1a64(agent.region_bytes(src).expect("b"))
-    );
+    let msg = format!("check:0:{LEN}:{:016x}", fnv1a64(agent.region_bytes(src).expect("b")));
     agent
         .write(
             &name2,
@@ -149,16 +124,7 @@ fn sigkill_of_receiver_mid_transfer_is_a_typed_error_and_peer_can_be_reloaded() 
     let line = peer2.wait_log(&msg, Duration::from_secs(10));
     assert!(line.ends_with(" ok"), "{line}");
     agent
-        .write(
-            &name2,
-            src,
-            0,
-            &remote2,
-            0,
-            1,
-            b"quit",
-            Duration::from_secs(10),
-        )
+        .write(&name2, src, 0, &remote2, 0, 1, b"quit", Duration::from_secs(10))
         .expect("quit");
     assert!(peer2.finish(Duration::from_secs(10)).success());
 }

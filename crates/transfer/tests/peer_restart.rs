@@ -62,8 +62,6 @@ fn restarted_peer_is_reachable_after_replace_peer() {
         .expect("write to restarted peer");
     let line = second.wait_log(&msg, t);
     assert!(line.ends_with(" ok"), "{line}");
-    agent
-        .write(&name, src, 0, &new_region, 0, 1, b"quit", t)
-        .expect("quit");
+    agent.write(&name, src, 0, &new_region, 0, 1, b"quit", t).expect("quit");
     assert!(second.finish(t).success());
 }

@@ -20,16 +20,7 @@ fn sigstop_of_receiver_times_out_without_hanging() {
     fill_pattern(agent.region_bytes_mut(src).expect("bytes"), 3);
     let (name, remote) = peer.connect(&mut agent);
     agent
-        .write(
-            &name,
-            src,
-            0,
-            &remote,
-            0,
-            LEN,
-            b"warmup",
-            Duration::from_secs(10),
-        )
+        .write(&name, src, 0, &remote, 0, LEN, b"warmup", Duration::from_secs(10))
         .expect("warm-up write");
     peer.wait_log("warmup", Duration::from_secs(10));
 
@@ -56,61 +47,25 @@ fn sigstop_of_receiver_times_out_without_hanging() {
     assert_eq!(err.reason(), "transfer_timeout");
     assert_eq!(err.nixl_status(), None);
     assert!(took >= timeout, "returned before the timeout: {took:?}");
-    assert!(
-        took < timeout + Duration::from_secs(1),
-        "overran the timeout: {took:?}"
-    );
+    assert!(took < timeout + Duration::from_secs(1), "overran the timeout: {took:?}");
 
     // Small writes time out too (none of them may hang).
     let t = Instant::now();
-    let small = agent.write(
-        &name,
-        src,
-        0,
-        &remote,
-        0,
-        4096,
-        b"small-while-stopped",
-        timeout,
-    );
-    eprintln!(
-        "4 KiB write to stopped peer: {small:?} after {:?}",
-        t.elapsed()
-    );
+    let small = agent.write(&name, src, 0, &remote, 0, 4096, b"small-while-stopped", timeout);
+    eprintln!("4 KiB write to stopped peer: {small:?} after {:?}", t.elapsed());
     assert!(t.elapsed() < timeout + Duration::from_secs(1));
 
     // Resume: the peer works again and checks what a fresh write carries.
     peer.signal(libc::SIGCONT);
     fill_pattern(agent.region_bytes_mut(src).expect("bytes"), 4);
-    let msg = format!(
-        "check:0:{LEN}:{:016x}",
-        fnv1a64(agent.region_bytes(src).expect("b"))
-    );
+    let msg = format!("check:0:{LEN}:{:016x}", fnv1a64(agent.region_bytes(src).expect("b")));
     agent
-        .write(
-            &name,
-            src,
-            0,
-            &remote,
-            0,
-            LEN,
-            msg.as_bytes(),
-            Duration::from_secs(10),
-        )
+        .write(&name, src, 0, &remote, 0, LEN, msg.as_bytes(), Duration::from_secs(10))
         .expect("write after SIGCONT");
     let line = peer.wait_log(&msg, Duration::from_secs(10));
     assert!(line.ends_with(" ok"), "{line}");
     agent
-        .write(
-            &name,
-            src,
-            0,
-            &remote,
-            0,
-            1,
-            b"quit",
-            Duration::from_secs(10),
-        )
+        .write(&name, src, 0, &remote, 0, 1, b"quit", Duration::from_secs(10))
         .expect("quit");
     assert!(peer.finish(Duration::from_secs(10)).success());
 }

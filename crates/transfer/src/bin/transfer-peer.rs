@@ -34,11 +34,9 @@ fn main() -> ExitCode {
             }
         }
         Some("load-only") if args.len() >= 2 => load_only(Path::new(&args[1])),
-        _ => Err(
-            "usage: transfer-peer receive <dir> <name> <region-len> [max-secs] | \
+        _ => Err("usage: transfer-peer receive <dir> <name> <region-len> [max-secs] | \
                   transfer-peer load-only <nixl-dir>"
-                .to_string(),
-        ),
+            .to_string()),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -30,11 +30,7 @@ pub fn ensure_nixl() {
             .status()
             .expect("run scripts/fetch-nixl.sh");
         assert!(status.success(), "scripts/fetch-nixl.sh failed: {status}");
-        assert!(
-            capi.is_file(),
-            "fetch-nixl.sh did not produce {}",
-            capi.display()
-        );
+        assert!(capi.is_file(), "fetch-nixl.sh did not produce {}", capi.display());
     });
 }
 
@@ -89,16 +85,11 @@ impl Peer {
             if let Ok(Some(status)) = self.child.try_wait() {
                 panic!("peer {} exited early: {status}", self.name);
             }
-            assert!(
-                Instant::now() < deadline,
-                "peer {} never published",
-                self.name
-            );
+            assert!(Instant::now() < deadline, "peer {} never published", self.name);
             std::thread::sleep(Duration::from_millis(10));
         }
         let region: RemoteRegion =
-            serde_json::from_slice(&std::fs::read(&region_path).expect("read region"))
-                .expect("parse region");
+            serde_json::from_slice(&std::fs::read(&region_path).expect("read region")).expect("parse region");
         (std::fs::read(&md_path).expect("read metadata"), region)
     }
 
