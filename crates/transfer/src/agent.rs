@@ -327,7 +327,10 @@ impl TransferAgent {
         let r = self.region(id)?;
         // SAFETY: the buffer is live, initialised (zeroed at allocation) and
         // `len` bytes long for as long as `self` is borrowed; no `&mut` to it
-        // can exist at the same time because that needs `&mut self`.
+        // can exist at the same time because that needs `&mut self`. Remote
+        // peers may DMA into it meanwhile (like device memory); the contract
+        // above (read after the notification) is what makes the bytes
+        // meaningful, and u8 has no invalid values.
         Ok(unsafe { std::slice::from_raw_parts(r.buf.ptr.as_ptr(), r.buf.len()) })
     }
 
@@ -394,7 +397,8 @@ impl TransferAgent {
         self.peers.contains(peer)
     }
 
-    /// Whether NIXL itself holds metadata for `peer`.
+    /// Whether NIXL itself holds metadata for `peer`. (NIXL 1.5.1 keeps a
+    /// dead peer's metadata, so this is no liveness probe.)
     pub fn nixl_knows_peer(&self, peer: &str) -> bool {
         self.agent.check_remote_metadata(peer, None)
     }
@@ -416,7 +420,8 @@ impl TransferAgent {
     /// or `timeout` passes.
     ///
     /// On timeout the request is released (NIXL cancels what it can) and
-    /// [`TransferError::Timeout`] is returned.
+    /// [`TransferError::Timeout`] is returned; the remote range then holds
+    /// unspecified bytes, and the notification may or may not arrive later.
     ///
     /// Error classification: NIXL reports a dead peer only as
     /// `NIXL_ERR_BACKEND` from `post_xfer_req` / `get_xfer_status` (the

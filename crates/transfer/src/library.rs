@@ -90,6 +90,13 @@ impl NixlLibrary {
     /// whatever `dir` says.
     pub fn load(dir: Option<&Path>) -> Result<NixlLibrary, TransferError> {
         if let Some(loaded) = LOADED.get() {
+            if let Some(d) = dir.filter(|d| libs_dir_in(d).as_deref() != Some(loaded.libs_dir.as_path())) {
+                tracing::warn!(
+                    asked = %d.display(),
+                    loaded = %loaded.capi.display(),
+                    "NIXL is already loaded from elsewhere; keeping the loaded library"
+                );
+            }
             return Ok(NixlLibrary { loaded });
         }
         let _guard = LOAD_LOCK.lock().unwrap_or_else(|e| e.into_inner());

@@ -147,9 +147,9 @@ impl Peer {
 impl Drop for Peer {
     fn drop(&mut self) {
         if let Ok(None) = self.child.try_wait() {
-            // A stopped child ignores SIGKILL until continued? No: SIGKILL
-            // always works; SIGCONT first anyway so nothing lingers.
-            // SAFETY: kill(2) on our own child's pid.
+            // SIGCONT a possibly stopped child first, then kill and reap it,
+            // so no peer outlives a failed test.
+            // SAFETY: kill(2) on our own, not yet reaped, child's pid.
             unsafe { libc::kill(self.pid(), libc::SIGCONT) };
             let _ = self.child.kill();
             let _ = self.child.wait();
