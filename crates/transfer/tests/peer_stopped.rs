@@ -1,0 +1,71 @@
+//! SIGSTOP of the receiving peer: NIXL reports nothing, so a write with a
+//! short timeout must come back as `Timeout`, promptly, and the agent stays
+//! usable once the peer runs again.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{fill_pattern, fnv1a64, load, Peer};
+use rootrank_transfer::{TransferAgent, TransferError};
+
+#[test]
+fn sigstop_of_receiver_times_out_without_hanging() {
+    let lib = load();
+    let tmp = tempfile::tempdir().expect("tempdir");
+    const LEN: usize = 16 << 20;
+    let mut peer = Peer::spawn(tmp.path(), "decode-rank2", LEN);
+    let mut agent = TransferAgent::new(&lib, "prefill-rank2").expect("agent");
+    let src = agent.register_dram(LEN).expect("register");
+    fill_pattern(agent.region_bytes_mut(src).expect("bytes"), 3);
+    let (name, remote) = peer.connect(&mut agent);
+    agent
+        .write(&name, src, 0, &remote, 0, LEN, b"warmup", Duration::from_secs(10))
+        .expect("warm-up write");
+    peer.wait_log("warmup", Duration::from_secs(10));
+
+    peer.signal(libc::SIGSTOP);
+    // Give the stop a moment to land before posting.
+    std::thread::sleep(Duration::from_millis(20));
+
+    let timeout = Duration::from_millis(300);
+    let t = Instant::now();
+    let result = agent.write(&name, src, 0, &remote, 0, LEN, b"while-stopped", timeout);
+    let took = t.elapsed();
+    eprintln!("write to stopped peer: {result:?} after {took:?}");
+    let err = match result {
+        Err(e) => e,
+        Ok(stats) => panic!("a 16 MiB write to a stopped peer completed: {stats:?}"),
+    };
+    match &err {
+        TransferError::Timeout { after_ms, peer } => {
+            assert_eq!(*after_ms, 300);
+            assert_eq!(peer, &name);
+        }
+        other => panic!("expected Timeout, got {other:?}"),
+    }
+    assert_eq!(err.reason(), "transfer_timeout");
+    assert_eq!(err.nixl_status(), None);
+    assert!(took >= timeout, "returned before the timeout: {took:?}");
+    assert!(took < timeout + Duration::from_secs(1), "overran the timeout: {took:?}");
+
+    // Small writes time out too (none of them may hang).
+    let t = Instant::now();
+    let small = agent.write(&name, src, 0, &remote, 0, 4096, b"small-while-stopped", timeout);
+    eprintln!("4 KiB write to stopped peer: {small:?} after {:?}", t.elapsed());
+    assert!(t.elapsed() < timeout + Duration::from_secs(1));
+
+    // Resume: the peer works again and checks what a fresh write carries.
+    peer.signal(libc::SIGCONT);
+    fill_pattern(agent.region_bytes_mut(src).expect("bytes"), 4);
+    let msg = format!("check:0:{LEN}:{:016x}", fnv1a64(agent.region_bytes(src).expect("b")));
+    agent
+        .write(&name, src, 0, &remote, 0, LEN, msg.as_bytes(), Duration::from_secs(10))
+        .expect("write after SIGCONT");
+    let line = peer.wait_log(&msg, Duration::from_secs(10));
+    assert!(line.ends_with(" ok"), "{line}");
+    agent
+        .write(&name, src, 0, &remote, 0, 1, b"quit", Duration::from_secs(10))
+        .expect("quit");
+    assert!(peer.finish(Duration::from_secs(10)).success());
+}
