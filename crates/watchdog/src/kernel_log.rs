@@ -12,6 +12,7 @@ use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -123,9 +124,33 @@ struct Shared {
     window: Mutex<Window>,
     /// Woken whenever an event is stored, for [`KernelLog::wait_for_oom`].
     notify: Notify,
+    records: AtomicU64,
+    events: AtomicU64,
+    overwritten: AtomicU64,
+}
+
+/// Counters of the reader, for health reporting.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct KernelLogStats {
+    /// Records (or ingested lines) seen.
+    pub records: u64,
+    /// Of those, OOM/Xid events.
+    pub events: u64,
+    /// Times the kernel overwrote records before we read them (EPIPE).
+    pub overwritten: u64,
 }
 
 impl Shared {
+    fn new() -> Self {
+        Shared {
+            window: Mutex::new(Window::new(WINDOW_CAPACITY, WINDOW_MAX_AGE)),
+            notify: Notify::new(),
+            records: AtomicU64::new(0),
+            events: AtomicU64::new(0),
+            overwritten: AtomicU64::new(0),
+        }
+    }
+
     fn lock(&self) -> MutexGuard<'_, Window> {
         // A panic while holding the lock cannot leave the window invalid
         // (every mutation is a single push/pop), so poisoning is ignored.
@@ -135,9 +160,11 @@ impl Shared {
     }
 
     fn ingest(&self, bytes: &[u8]) -> bool {
+        self.records.fetch_add(1, Ordering::Relaxed);
         let Some(event) = kmsg::parse_bytes(bytes) else {
             return false;
         };
+        self.events.fetch_add(1, Ordering::Relaxed);
         tracing::debug!(?event, "kernel event");
         self.lock().push(Instant::now(), event);
         self.notify.notify_waiters();
@@ -180,10 +207,7 @@ impl KernelLog {
         }
         // SAFETY: efd is a fresh descriptor that nothing else owns.
         let stop = Arc::new(unsafe { OwnedFd::from_raw_fd(efd) });
-        let shared = Arc::new(Shared {
-            window: Mutex::new(Window::new(WINDOW_CAPACITY, WINDOW_MAX_AGE)),
-            notify: Notify::new(),
-        });
+        let shared = Arc::new(Shared::new());
         let thread = {
             let shared = Arc::clone(&shared);
             let stop = Arc::clone(&stop);
@@ -207,10 +231,7 @@ impl KernelLog {
     /// cgroup counters and exit statuses.
     pub fn unavailable() -> Self {
         KernelLog {
-            shared: Arc::new(Shared {
-                window: Mutex::new(Window::new(WINDOW_CAPACITY, WINDOW_MAX_AGE)),
-                notify: Notify::new(),
-            }),
+            shared: Arc::new(Shared::new()),
             reader: None,
         }
     }
@@ -236,6 +257,15 @@ impl KernelLog {
     /// Returns whether it was an OOM/Xid event.
     pub fn ingest(&self, line: &str) -> bool {
         self.shared.ingest(line.as_bytes())
+    }
+
+    /// Reader counters so far.
+    pub fn stats(&self) -> KernelLogStats {
+        KernelLogStats {
+            records: self.shared.records.load(Ordering::Relaxed),
+            events: self.shared.events.load(Ordering::Relaxed),
+            overwritten: self.shared.overwritten.load(Ordering::Relaxed),
+        }
     }
 
     /// Number of events currently in the window.
@@ -351,7 +381,6 @@ fn open_kmsg(path: &Path) -> Result<OwnedFd, KernelLogError> {
 
 fn reader_loop(fd: &OwnedFd, stop: &OwnedFd, shared: &Shared) {
     let mut buf = vec![0u8; READ_BUF];
-    let mut overwritten: u64 = 0;
     let mut idle_wakeups: u32 = 0;
     loop {
         let mut fds = [
@@ -404,9 +433,9 @@ fn reader_loop(fd: &OwnedFd, stop: &OwnedFd, shared: &Shared) {
                 Some(libc::EPIPE) => {
                     // The ring buffer overwrote records we had not read yet;
                     // the next read resumes at the oldest one still there.
-                    overwritten += 1;
+                    let n = shared.overwritten.fetch_add(1, Ordering::Relaxed) + 1;
                     progressed = true;
-                    tracing::debug!(overwritten, "kernel log records were overwritten before we read them");
+                    tracing::debug!(overwritten = n, "kernel log records were overwritten before we read them");
                     continue;
                 }
                 _ => {

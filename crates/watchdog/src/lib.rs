@@ -34,7 +34,7 @@ pub mod pidfd;
 pub use cgroup::{CgroupOomDelta, CgroupOomProbe, OomCounters};
 pub use classify::{classify, reason, Classification, Evidence};
 pub use error::{KernelLogError, WatchError};
-pub use kernel_log::{KernelLog, OOM_LOG_GRACE};
+pub use kernel_log::{KernelLog, KernelLogStats, OOM_LOG_GRACE};
 pub use kmsg::{normalize_pci_bus_id, pci_bus_ids_match, GpuXid, KernelEvent, OomKill};
 pub use logtail::LogTail;
 pub use pidfd::{ExitInfo, ExitObserved, PidWatch, ProcessExit, ProcessWatcher};
