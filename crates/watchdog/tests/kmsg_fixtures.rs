@@ -196,6 +196,38 @@ fn expected() -> BTreeMap<usize, KernelEvent> {
             kernel_time_us: Some(98_771_000_000),
         }),
     );
+    // Captured on a 6.18 kernel from a real memcg OOM (tests/real_oom.rs).
+    m.insert(
+        39,
+        KernelEvent::OomKill(OomKill {
+            pid: 23950,
+            comm: "tail".into(),
+            constraint: s("CONSTRAINT_MEMCG"),
+            oom_memcg: s("/rootrank-oom-test-23945"),
+            task_memcg: s("/rootrank-oom-test-23945"),
+            memcg_oom: true,
+            uid: Some(0),
+            kernel_time_us: Some(971_279_455),
+            ..OomKill::default()
+        }),
+    );
+    m.insert(
+        40,
+        KernelEvent::OomKill(OomKill {
+            pid: 23950,
+            comm: "tail".into(),
+            memcg_oom: true,
+            total_vm_kb: Some(68_156),
+            anon_rss_kb: Some(65_280),
+            file_rss_kb: Some(1568),
+            shmem_rss_kb: Some(0),
+            uid: Some(0),
+            pgtables_kb: Some(172),
+            oom_score_adj: Some(0),
+            kernel_time_us: Some(971_279_495),
+            ..OomKill::default()
+        }),
+    );
     m
 }
 
@@ -248,8 +280,8 @@ fn window_merges_lines_of_one_kill_and_answers_queries() {
     assert!(log.xid_for("00000000:CA:00.0", start).is_some());
     assert!(log.xid_for("00000000:3C:00.0", start).is_none());
     assert!(log.xid_for("0000:3b:00.0", std::time::Instant::now() + std::time::Duration::from_secs(1)).is_none());
-    // 8 OOM lines about 4 pids merge to 4 events; the 6 Xid lines stay 6.
-    assert_eq!(log.len(), 4 + 6);
+    // 10 OOM lines about 5 pids merge to 5 events; the 6 Xid lines stay 6.
+    assert_eq!(log.len(), 5 + 6);
 }
 
 /// Fragments that steer random input into the parsers' deeper branches.
