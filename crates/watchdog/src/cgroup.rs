@@ -59,11 +59,15 @@ pub fn parse_mountinfo(content: &str) -> CgroupMounts {
         };
         let left: Vec<&str> = left.split(' ').collect();
         let right: Vec<&str> = right.split(' ').collect();
-        let (Some(root), Some(mountpoint), Some(fstype)) = (left.get(3), left.get(4), right.first())
+        let (Some(root), Some(mountpoint), Some(fstype)) =
+            (left.get(3), left.get(4), right.first())
         else {
             continue;
         };
-        let entry = (PathBuf::from(unescape_mount(mountpoint)), unescape_mount(root));
+        let entry = (
+            PathBuf::from(unescape_mount(mountpoint)),
+            unescape_mount(root),
+        );
         match *fstype {
             "cgroup2" if out.unified.is_none() => out.unified = Some(entry),
             "cgroup" if out.memory_v1.is_none() => {

@@ -297,7 +297,8 @@ impl KernelLog {
 
     /// Waits up to `timeout` (capped at [`OOM_LOG_GRACE`]) for an OOM kill
     /// of `pid` received at or after `since`. Returns at once when it is
-    /// already there, or when the log is unavailable.
+    /// already there, or when the log is unavailable. Must run on a tokio
+    /// runtime with the time driver enabled (it uses `tokio::time`).
     pub async fn wait_for_oom(
         &self,
         pid: u32,
@@ -409,7 +410,9 @@ fn reader_loop(fd: &OwnedFd, stop: &OwnedFd, shared: &Shared) {
             return;
         }
         if fds[0].revents & libc::POLLNVAL != 0 {
-            tracing::error!("kernel log descriptor became invalid; no more kernel events will be seen");
+            tracing::error!(
+                "kernel log descriptor became invalid; no more kernel events will be seen"
+            );
             return;
         }
         let mut progressed = false;
@@ -435,7 +438,10 @@ fn reader_loop(fd: &OwnedFd, stop: &OwnedFd, shared: &Shared) {
                     // the next read resumes at the oldest one still there.
                     let n = shared.overwritten.fetch_add(1, Ordering::Relaxed) + 1;
                     progressed = true;
-                    tracing::debug!(overwritten = n, "kernel log records were overwritten before we read them");
+                    tracing::debug!(
+                        overwritten = n,
+                        "kernel log records were overwritten before we read them"
+                    );
                     continue;
                 }
                 _ => {
@@ -517,6 +523,8 @@ mod tests {
         assert!(w.xid_for("00000000:3B:00.0", t).is_some());
         assert!(w.xid_for("0000:3c:00.0", t).is_none());
         assert!(w.xid_for("garbage", t).is_none());
-        assert!(w.xid_for("0000:3b:00", t + Duration::from_secs(1)).is_none());
+        assert!(w
+            .xid_for("0000:3b:00", t + Duration::from_secs(1))
+            .is_none());
     }
 }

@@ -212,12 +212,13 @@ impl PidWatch {
         }
         // SAFETY: the AsyncFd owns the OwnedFd, so the descriptor stays open
         // and unchanged for the AsyncFd's whole life.
-        let fd = unsafe { AsyncFd::register_with_interest(fd, Interest::READABLE) }.map_err(
-            |e| WatchError::Io {
-                pid,
-                source: e.into_parts().1,
-            },
-        )?;
+        let fd =
+            unsafe { AsyncFd::register_with_interest(fd, Interest::READABLE) }.map_err(|e| {
+                WatchError::Io {
+                    pid,
+                    source: e.into_parts().1,
+                }
+            })?;
         Ok(PidWatch { pid, fd })
     }
 
@@ -424,7 +425,11 @@ where
         let fd = match pidfd_open(pid) {
             Ok(fd) => fd,
             Err(WatchError::NoSuchProcess { .. }) => {
-                tracing::info!(?key, pid, "process to watch does not exist; reporting it exited");
+                tracing::info!(
+                    ?key,
+                    pid,
+                    "process to watch does not exist; reporting it exited"
+                );
                 self.report_now(key, pid, ExitObserved::AlreadyGone, watched_since, None);
                 return Ok(());
             }
@@ -436,8 +441,20 @@ where
         let alive = !pidfd_ready_now(&fd);
         let start_time = match judge_identity(expected, observed, alive) {
             Identity::Reused { expected, found } => {
-                tracing::warn!(?key, pid, expected, found, "pid was reused by another process; reporting the expected one exited");
-                self.report_now(key, pid, ExitObserved::PidReused, watched_since, Some(found));
+                tracing::warn!(
+                    ?key,
+                    pid,
+                    expected,
+                    found,
+                    "pid was reused by another process; reporting the expected one exited"
+                );
+                self.report_now(
+                    key,
+                    pid,
+                    ExitObserved::PidReused,
+                    watched_since,
+                    Some(found),
+                );
                 return Ok(());
             }
             Identity::Confirmed { start_time } => start_time,

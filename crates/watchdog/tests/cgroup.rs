@@ -95,7 +95,10 @@ fn mountinfo_forms() {
         m.memory_v1,
         Some((PathBuf::from("/sys/fs/cgroup/memory"), "/".into()))
     );
-    assert_eq!(parse_mountinfo("nonsense - \n - \n"), CgroupMounts::default());
+    assert_eq!(
+        parse_mountinfo("nonsense - \n - \n"),
+        CgroupMounts::default()
+    );
     // Escaped space in a mount point.
     let m = parse_mountinfo("1 2 0:1 / /mnt/cg\\040two rw - cgroup2 cgroup2 rw\n");
     assert_eq!(m.unified, Some((PathBuf::from("/mnt/cg two"), "/".into())));
@@ -103,7 +106,10 @@ fn mountinfo_forms() {
 
 #[test]
 fn counter_file_resolution() {
-    let v2 = counter_file(&parse_proc_cgroup(V2_CGROUP), &parse_mountinfo(V2_MOUNTINFO));
+    let v2 = counter_file(
+        &parse_proc_cgroup(V2_CGROUP),
+        &parse_mountinfo(V2_MOUNTINFO),
+    );
     assert_eq!(
         v2,
         Some((
@@ -142,7 +148,10 @@ fn counter_file_resolution() {
     let cg = parse_proc_cgroup("0::/\n");
     assert_eq!(
         counter_file(&cg, &parse_mountinfo(V2_MOUNTINFO)),
-        Some((PathBuf::from("/sys/fs/cgroup/memory.events"), CounterFile::MemoryEvents))
+        Some((
+            PathBuf::from("/sys/fs/cgroup/memory.events"),
+            CounterFile::MemoryEvents
+        ))
     );
     // No mounts known.
     assert_eq!(counter_file(&cg, &CgroupMounts::default()), None);
@@ -165,7 +174,10 @@ fn counter_parsing() {
         })
     );
     // v1 before 4.13 has no oom_kill line.
-    assert_eq!(parse_oom_counters("oom_kill_disable 0\nunder_oom 0\n"), None);
+    assert_eq!(
+        parse_oom_counters("oom_kill_disable 0\nunder_oom 0\n"),
+        None
+    );
     assert_eq!(parse_oom_counters(""), None);
     assert_eq!(parse_oom_counters("oom_kill lots\n"), None);
 }

@@ -136,8 +136,7 @@ fn expected() -> BTreeMap<usize, KernelEvent> {
             code: 13,
             pid: Some(4455),
             process_name: s("python3"),
-            text: "Graphics SM Warp Exception on (GPC 0, TPC 1, SM 0): Out Of Range Address"
-                .into(),
+            text: "Graphics SM Warp Exception on (GPC 0, TPC 1, SM 0): Out Of Range Address".into(),
             kernel_time_us: None,
         }),
     );
@@ -244,7 +243,10 @@ fn fixture_lines_parse_as_expected() {
         }
     }
     assert_eq!(seen, want.len());
-    assert!(FIXTURE.lines().count() > 30, "fixture should mix in unrelated lines");
+    assert!(
+        FIXTURE.lines().count() > 30,
+        "fixture should mix in unrelated lines"
+    );
 }
 
 #[test]
@@ -254,7 +256,10 @@ fn kmsg_record_read_includes_its_continuation_lines() {
     let record = format!("{}\n{}\n{}\n", lines[31], lines[32], lines[33]);
     let got = kmsg::parse_line(&record);
     assert_eq!(got.as_ref(), expected().get(&32));
-    assert_eq!(kmsg::parse_bytes(record.as_bytes()).as_ref(), expected().get(&32));
+    assert_eq!(
+        kmsg::parse_bytes(record.as_bytes()).as_ref(),
+        expected().get(&32)
+    );
 }
 
 #[test]
@@ -279,7 +284,12 @@ fn window_merges_lines_of_one_kill_and_answers_queries() {
     assert_eq!(x.code, 79, "latest Xid on the GPU wins");
     assert!(log.xid_for("00000000:CA:00.0", start).is_some());
     assert!(log.xid_for("00000000:3C:00.0", start).is_none());
-    assert!(log.xid_for("0000:3b:00.0", std::time::Instant::now() + std::time::Duration::from_secs(1)).is_none());
+    assert!(log
+        .xid_for(
+            "0000:3b:00.0",
+            std::time::Instant::now() + std::time::Duration::from_secs(1)
+        )
+        .is_none());
     // 10 OOM lines about 5 pids merge to 5 events; the 6 Xid lines stay 6.
     assert_eq!(log.len(), 5 + 6);
 }

@@ -6,8 +6,8 @@ use std::time::{Duration, Instant};
 
 use rootrank_watchdog::pidfd::proc_start_time;
 use rootrank_watchdog::{
-    classify, diagnose, reason, Evidence, ExitInfo, ExitObserved, KernelLog, PidWatch,
-    ProcessExit, ProcessWatcher, WatchError,
+    classify, diagnose, reason, Evidence, ExitInfo, ExitObserved, KernelLog, PidWatch, ProcessExit,
+    ProcessWatcher, WatchError,
 };
 use tokio::sync::mpsc::UnboundedReceiver;
 
@@ -21,7 +21,10 @@ async fn next<K>(rx: &mut UnboundedReceiver<ProcessExit<K>>) -> ProcessExit<K> {
 }
 
 fn sleeper() -> std::process::Child {
-    Command::new("sleep").arg("30").spawn().expect("spawn sleep")
+    Command::new("sleep")
+        .arg("30")
+        .spawn()
+        .expect("spawn sleep")
 }
 
 /// Starts `sleep 30` as a grandchild whose parent exits at once, so it is
@@ -106,7 +109,11 @@ async fn non_child_killed_reports_no_status() {
         .and_then(|(_, rest)| rest.split_whitespace().nth(1))
         .and_then(|p| p.parse().ok())
         .expect("ppid field");
-    assert_ne!(ppid, std::process::id(), "test setup: must not be our child");
+    assert_ne!(
+        ppid,
+        std::process::id(),
+        "test setup: must not be our child"
+    );
     let (w, mut rx) = ProcessWatcher::new();
     w.add("rank1", pid).expect("watch non-child");
     let killed_at = Instant::now();
@@ -149,7 +156,10 @@ async fn kernel_oom_line_makes_it_oom_host() {
     let c = diagnose(&no_oom, &log, Some("00000000:3B:00.0")).await;
     assert_eq!(
         (c.reason, c.detail.as_str()),
-        ("gpu_xid", "Xid 79 on 0000:3b:00: GPU has fallen off the bus")
+        (
+            "gpu_xid",
+            "Xid 79 on 0000:3b:00: GPU has fallen off the bus"
+        )
     );
     let _ = child.wait();
 }
