@@ -145,6 +145,12 @@ fn split_header(input: &str) -> Option<(Option<u64>, &str)> {
     if let Some(r) = split_dmesg_header(first.trim_start()) {
         return Some(r);
     }
+    // `dmesg -T`: "[Wed Dec  2 15:00:00 2026] message" (no usable stamp).
+    if first.starts_with('[') {
+        if let Some((_, msg)) = first.split_once("] ") {
+            return Some((None, msg));
+        }
+    }
     // journalctl -k / syslog: "Dec 02 10:00:00 host kernel: message".
     if let Some(i) = first.find("kernel: ") {
         let rest = &first[i + "kernel: ".len()..];
@@ -445,6 +451,12 @@ mod tests {
         assert!(!o.memcg_oom);
         assert_eq!(parse_line(" SUBSYSTEM=pci"), None);
         assert_eq!(parse_line(" DEVICE=+pci:0000:3b:00.0"), None);
+    }
+
+    #[test]
+    fn dmesg_human_timestamps() {
+        let o = oom("[Wed Dec  2 15:00:00 2026] Out of memory: Killed process 8 (p) total-vm:1kB, anon-rss:2kB");
+        assert_eq!((o.pid, o.kernel_time_us), (8, None));
     }
 
     #[test]

@@ -39,27 +39,33 @@ pub use kmsg::{normalize_pci_bus_id, pci_bus_ids_match, GpuXid, KernelEvent, Oom
 pub use logtail::LogTail;
 pub use pidfd::{ExitInfo, ExitObserved, PidWatch, ProcessExit, ProcessWatcher};
 
-/// Whether an exit could be the OOM killer's work, i.e. worth waiting
-/// [`OOM_LOG_GRACE`] for its log line: it is always SIGKILL, so only a
-/// SIGKILL or an unknown status qualifies.
-pub fn exit_may_be_oom(exit: Option<ExitInfo>) -> bool {
-    match exit {
+/// Whether classifying this exit should wait (at most [`OOM_LOG_GRACE`])
+/// for the OOM killer's log line.
+///
+/// OOM kills are always SIGKILL, so a known exit code or another signal
+/// needs no wait. And since Linux 4.13 every OOM kill (global or memcg)
+/// bumps the victim's own memory cgroup `oom_kill` counter *before* the
+/// SIGKILL, so a readable counter that did not move rules the OOM killer
+/// out at once: a plain `kill -9` is then reported without the 20 ms wait.
+pub fn oom_wait_needed(exit: Option<ExitInfo>, cgroup_oom: Option<&CgroupOomDelta>) -> bool {
+    let exit_fits = match exit {
         None => true,
         Some(x) => x.signal == Some(libc::SIGKILL) || (x.signal.is_none() && x.code.is_none()),
-    }
+    };
+    exit_fits && cgroup_oom.is_none_or(CgroupOomDelta::killed)
 }
 
 /// Classifies one death with everything this host knows: the exit status,
 /// the cgroup OOM counters carried in `exit`, the kernel log's OOM record
-/// (waiting at most [`OOM_LOG_GRACE`] for it when the exit could be an OOM
-/// kill) and an Xid on `gpu_bus_id` since the watch started.
+/// (waiting at most [`OOM_LOG_GRACE`] for it when [`oom_wait_needed`]) and
+/// an Xid on `gpu_bus_id` since the watch started.
 pub async fn diagnose<K>(
     exit: &ProcessExit<K>,
     kernel: &KernelLog,
     gpu_bus_id: Option<&str>,
 ) -> Classification {
     let since = exit.watched_since;
-    let oom = if exit_may_be_oom(exit.exit) {
+    let oom = if oom_wait_needed(exit.exit, exit.cgroup_oom.as_ref()) {
         kernel.wait_for_oom(exit.pid, since, OOM_LOG_GRACE).await
     } else {
         kernel.oom_kill_for_since(exit.pid, since)
@@ -74,4 +80,44 @@ pub async fn diagnose<K>(
     });
     tracing::info!(pid = exit.pid, reason = c.reason, detail = %c.detail, "process death classified");
     c
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn oom_wait_needed_table() {
+        let moved = CgroupOomDelta {
+            file: "/x/memory.events".into(),
+            oom: Some(1),
+            oom_kill: 1,
+        };
+        let still = CgroupOomDelta {
+            oom_kill: 0,
+            oom: Some(0),
+            ..moved.clone()
+        };
+        let kill9 = Some(ExitInfo::signaled(libc::SIGKILL));
+        let cases = [
+            (kill9, None, true),
+            (kill9, Some(&moved), true),
+            (kill9, Some(&still), false),
+            (None, None, true),
+            (None, Some(&still), false),
+            (Some(ExitInfo::exited(3)), None, false),
+            (Some(ExitInfo::signaled(libc::SIGSEGV)), Some(&moved), false),
+            (
+                Some(ExitInfo {
+                    code: None,
+                    signal: None,
+                }),
+                None,
+                true,
+            ),
+        ];
+        for (exit, cg, want) in cases {
+            assert_eq!(oom_wait_needed(exit, cg), want, "{exit:?} {cg:?}");
+        }
+    }
 }

@@ -200,7 +200,9 @@ impl fmt::Debug for PidWatch {
 
 impl PidWatch {
     /// Opens a pidfd for `pid` and registers it with the current tokio
-    /// runtime (which must have I/O enabled).
+    /// runtime. Outside any runtime this is [`WatchError::NoRuntime`]; a
+    /// runtime built without `enable_io` makes tokio itself panic (tokio
+    /// offers no way to check), so build it with `enable_all()`.
     pub fn open(pid: u32) -> Result<Self, WatchError> {
         let fd = pidfd_open(pid)?;
         Self::from_fd(pid, fd)
@@ -349,7 +351,7 @@ pub struct ProcessExit<K> {
 struct Entry {
     pid: u32,
     generation: u64,
-    task: Option<tokio::task::AbortHandle>,
+    task: tokio::task::AbortHandle,
 }
 
 type Entries<K> = Arc<Mutex<HashMap<K, Entry>>>;
@@ -499,12 +501,10 @@ where
             Entry {
                 pid,
                 generation,
-                task: Some(task.abort_handle()),
+                task: task.abort_handle(),
             },
         ) {
-            if let Some(t) = old.task {
-                t.abort();
-            }
+            old.task.abort();
         }
         Ok(())
     }
@@ -518,9 +518,7 @@ where
         start_time: Option<u64>,
     ) {
         if let Some(old) = lock(&self.entries).remove(&key) {
-            if let Some(t) = old.task {
-                t.abort();
-            }
+            old.task.abort();
         }
         let _ = self.tx.send(ProcessExit {
             key,
@@ -539,9 +537,7 @@ where
     pub fn remove(&self, key: &K) -> bool {
         match lock(&self.entries).remove(key) {
             Some(e) => {
-                if let Some(t) = e.task {
-                    t.abort();
-                }
+                e.task.abort();
                 true
             }
             None => false,
@@ -568,9 +564,7 @@ where
 impl<K> Drop for ProcessWatcher<K> {
     fn drop(&mut self) {
         for (_, e) in lock(&self.entries).drain() {
-            if let Some(t) = e.task {
-                t.abort();
-            }
+            e.task.abort();
         }
     }
 }

@@ -265,3 +265,34 @@ fn errors_are_typed() {
     let _ = child.kill();
     let _ = child.wait();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plain_sigkill_skips_the_oom_wait_when_the_cgroup_counter_is_still() {
+    let log = KernelLog::open_or_unavailable();
+    let (w, mut rx) = ProcessWatcher::new();
+    let mut child = sleeper();
+    w.add("k9", child.id()).expect("watch");
+    child.kill().expect("kill");
+    let ev = next(&mut rx).await;
+    let t = Instant::now();
+    let c = diagnose(&ev, &log, None).await;
+    let took = t.elapsed();
+    assert_eq!(
+        (c.reason, c.detail.as_str()),
+        ("process_exit", "killed by signal 9 (SIGKILL)")
+    );
+    match &ev.cgroup_oom {
+        Some(d) => {
+            assert!(!d.killed(), "{d:?}");
+            assert!(
+                took < Duration::from_millis(5),
+                "no wait expected: {took:?}"
+            );
+        }
+        None if log.is_available() => {
+            assert!(took >= rootrank_watchdog::OOM_LOG_GRACE, "{took:?}");
+        }
+        None => {}
+    }
+    let _ = child.wait();
+}
