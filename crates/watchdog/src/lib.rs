@@ -14,7 +14,7 @@
 //!   a bounded window of recent events to query by pid or GPU.
 //! - [`cgroup`]: memory cgroup `oom_kill` counters, a witness of OOM kills
 //!   that needs no kernel log access.
-//! - [`classify`]: pure verdict `(reason, detail)` from all of the above,
+//! - [`mod@classify`]: pure verdict `(reason, detail)` from all of the above,
 //!   OOM > Xid > exit status.
 //! - [`logtail`]: [`LogTail`], the last lines of a supervised child's stderr.
 //!
