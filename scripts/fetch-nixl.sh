@@ -8,7 +8,7 @@
 # Idempotent: when the marker file exists, nothing is done.
 # Env:
 #   NIXL_WHEEL_VERSION  wheel version (default 1.5.1)
-#   NIXL_WHEEL_DIR      a folder that may already hold the wheel (default /tmp/nixlwheel)
+#   NIXL_WHEEL_DIR      a folder that may already hold the wheel (default: none, download)
 set -euo pipefail
 
 VERSION="${NIXL_WHEEL_VERSION:-1.5.1}"
@@ -41,7 +41,7 @@ if ! command -v "$PY" >/dev/null 2>&1; then
     exit 1
 fi
 
-WHEEL_DIR="${NIXL_WHEEL_DIR:-/tmp/nixlwheel}"
+WHEEL_DIR="${NIXL_WHEEL_DIR:-}"
 WHEEL="$(ls "$WHEEL_DIR"/nixl_cu12-"$VERSION"-*.whl 2>/dev/null | head -n1 || true)"
 TMP=""
 cleanup() { if [[ -n "$TMP" ]]; then rm -rf "$TMP"; fi; }
