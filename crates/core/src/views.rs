@@ -101,8 +101,9 @@ impl Index {
                     } else {
                         RankStateKind::Down
                     },
-                    host: entry.and_then(|e| e.record.host.clone()),
-                    pid: entry.and_then(|e| e.record.pid),
+                    // The certificate names the process once the live record is gone.
+                    host: entry.and_then(|e| e.record.host.clone()).or_else(|| d.host.clone()),
+                    pid: entry.and_then(|e| e.record.pid).or(d.pid),
                     incarnation: Some(*inc),
                     since: Some(time::format_ms(d.at_ms)),
                     last_failure,

@@ -116,6 +116,16 @@ impl EmbeddedEtcd {
         if self.fast {
             cmd.args(["--heartbeat-interval", "10", "--election-timeout", "100"]);
         }
+        // A private etcd must not outlive whoever started it, even if that process is
+        // SIGKILLed (a test harness, a killed `rootrank serve`).
+        // SAFETY: prctl(2) is async-signal-safe and touches no memory of the parent.
+        unsafe {
+            use std::os::unix::process::CommandExt;
+            cmd.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                Ok(())
+            });
+        }
         let mut child = cmd.spawn().map_err(EmbeddedError::Spawn)?;
         let deadline = Instant::now() + Duration::from_secs(20);
         let addr = format!("127.0.0.1:{}", self.client_port);

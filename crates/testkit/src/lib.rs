@@ -17,7 +17,11 @@ pub fn rootrank_bin() -> PathBuf {
         return PathBuf::from(p);
     }
     let exe = std::env::current_exe().unwrap_or_default();
-    let profile_dir = exe.parent().and_then(Path::parent).map(Path::to_path_buf).unwrap_or_default();
+    let profile_dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .map(Path::to_path_buf)
+        .unwrap_or_default();
     profile_dir.join("rootrank")
 }
 
@@ -80,7 +84,13 @@ impl Coordinator {
     pub async fn start(endpoint: &str, extra: &[&str]) -> anyhow::Result<Coordinator> {
         let port = free_port()?;
         let logdir = tempfile::tempdir()?;
-        let mut args = vec!["serve".to_string(), "--etcd-endpoints".into(), endpoint.to_string(), "--listen".into(), format!("127.0.0.1:{port}")];
+        let mut args = vec![
+            "serve".to_string(),
+            "--etcd-endpoints".into(),
+            endpoint.to_string(),
+            "--listen".into(),
+            format!("127.0.0.1:{port}"),
+        ];
         args.extend(extra.iter().map(|s| s.to_string()));
         let mut c = Coordinator {
             child: None,
@@ -160,7 +170,17 @@ pub struct Rank {
 impl Rank {
     pub fn start(endpoint: &str, group: &str, rank: u32, size: u32, lease_ttl_ms: u64) -> anyhow::Result<Rank> {
         let mut child = Command::new(rootrank_bin())
-            .args(["rank", "--etcd-endpoints", endpoint, "--group", group, "--rank", &rank.to_string(), "--group-size", &size.to_string()])
+            .args([
+                "rank",
+                "--etcd-endpoints",
+                endpoint,
+                "--group",
+                group,
+                "--rank",
+                &rank.to_string(),
+                "--group-size",
+                &size.to_string(),
+            ])
             .args(["--lease-ttl-ms", &lease_ttl_ms.to_string()])
             .env("ROOTRANK_LOG", "warn")
             .stdin(Stdio::piped())
@@ -169,7 +189,13 @@ impl Rank {
             .spawn()?;
         let stdin = child.stdin.take();
         let stdout = BufReader::new(child.stdout.take().ok_or_else(|| anyhow!("no stdout"))?);
-        let mut r = Rank { pid: child.id(), child: Some(child), stdin, stdout, incarnation: String::new() };
+        let mut r = Rank {
+            pid: child.id(),
+            child: Some(child),
+            stdin,
+            stdout,
+            incarnation: String::new(),
+        };
         let line = r.read_line()?;
         let inc = line
             .strip_prefix("registered incarnation=")

@@ -49,11 +49,7 @@ fn spawn_non_child() -> Result<u32, Box<dyn Error>> {
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn Error>> {
-    let n: usize = std::env::args()
-        .nth(1)
-        .map(|s| s.parse())
-        .transpose()?
-        .unwrap_or(50);
+    let n: usize = std::env::args().nth(1).map(|s| s.parse()).transpose()?.unwrap_or(50);
     let (w, mut rx) = ProcessWatcher::new();
 
     let (mut noticed, mut received) = (Vec::new(), Vec::new());

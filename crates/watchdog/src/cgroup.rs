@@ -24,8 +24,7 @@ pub fn parse_proc_cgroup(content: &str) -> ProcCgroup {
     let mut out = ProcCgroup::default();
     for line in content.lines() {
         let mut parts = line.splitn(3, ':');
-        let (Some(id), Some(controllers), Some(path)) = (parts.next(), parts.next(), parts.next())
-        else {
+        let (Some(id), Some(controllers), Some(path)) = (parts.next(), parts.next(), parts.next()) else {
             continue;
         };
         if !path.starts_with('/') {
@@ -59,15 +58,10 @@ pub fn parse_mountinfo(content: &str) -> CgroupMounts {
         };
         let left: Vec<&str> = left.split(' ').collect();
         let right: Vec<&str> = right.split(' ').collect();
-        let (Some(root), Some(mountpoint), Some(fstype)) =
-            (left.get(3), left.get(4), right.first())
-        else {
+        let (Some(root), Some(mountpoint), Some(fstype)) = (left.get(3), left.get(4), right.first()) else {
             continue;
         };
-        let entry = (
-            PathBuf::from(unescape_mount(mountpoint)),
-            unescape_mount(root),
-        );
+        let entry = (PathBuf::from(unescape_mount(mountpoint)), unescape_mount(root));
         match *fstype {
             "cgroup2" if out.unified.is_none() => out.unified = Some(entry),
             "cgroup" if out.memory_v1.is_none() => {
@@ -91,9 +85,7 @@ fn unescape_mount(s: &str) -> String {
         if b[i] == b'\\' {
             if let Some(oct) = b.get(i + 1..i + 4) {
                 if oct.iter().all(|c| (b'0'..=b'7').contains(c)) {
-                    let v = u32::from(oct[0] - b'0') * 64
-                        + u32::from(oct[1] - b'0') * 8
-                        + u32::from(oct[2] - b'0');
+                    let v = u32::from(oct[0] - b'0') * 64 + u32::from(oct[1] - b'0') * 8 + u32::from(oct[2] - b'0');
                     if let Ok(byte) = u8::try_from(v) {
                         out.push(byte);
                         i += 4;

@@ -99,9 +99,7 @@ impl Window {
     pub(crate) fn oom_kill_for(&mut self, pid: u32, since: Option<Instant>) -> Option<OomKill> {
         self.prune(Instant::now());
         self.events.iter().rev().find_map(|s| match &s.event {
-            KernelEvent::OomKill(o) if o.pid == pid && since.is_none_or(|t| s.at >= t) => {
-                Some(o.clone())
-            }
+            KernelEvent::OomKill(o) if o.pid == pid && since.is_none_or(|t| s.at >= t) => Some(o.clone()),
             _ => None,
         })
     }
@@ -154,9 +152,7 @@ impl Shared {
     fn lock(&self) -> MutexGuard<'_, Window> {
         // A panic while holding the lock cannot leave the window invalid
         // (every mutation is a single push/pop), so poisoning is ignored.
-        self.window
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.window.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     fn ingest(&self, bytes: &[u8]) -> bool {
@@ -299,12 +295,7 @@ impl KernelLog {
     /// of `pid` received at or after `since`. Returns at once when it is
     /// already there, or when the log is unavailable. Must run on a tokio
     /// runtime with the time driver enabled (it uses `tokio::time`).
-    pub async fn wait_for_oom(
-        &self,
-        pid: u32,
-        since: Instant,
-        timeout: Duration,
-    ) -> Option<OomKill> {
+    pub async fn wait_for_oom(&self, pid: u32, since: Instant, timeout: Duration) -> Option<OomKill> {
         if !self.is_available() {
             return self.oom_kill_for_since(pid, since);
         }
@@ -350,20 +341,13 @@ fn open_kmsg(path: &Path) -> Result<OwnedFd, KernelLogError> {
         source: io::Error::from(io::ErrorKind::InvalidInput),
     })?;
     // SAFETY: c_path is a valid NUL-terminated string for the call.
-    let fd = unsafe {
-        libc::open(
-            c_path.as_ptr(),
-            libc::O_RDONLY | libc::O_NONBLOCK | libc::O_CLOEXEC,
-        )
-    };
+    let fd = unsafe { libc::open(c_path.as_ptr(), libc::O_RDONLY | libc::O_NONBLOCK | libc::O_CLOEXEC) };
     if fd < 0 {
         let err = io::Error::last_os_error();
         let path: PathBuf = path.to_path_buf();
         return Err(match err.raw_os_error() {
             Some(libc::EACCES) | Some(libc::EPERM) => KernelLogError::PermissionDenied { path },
-            Some(libc::ENOENT) | Some(libc::ENXIO) | Some(libc::ENODEV) => {
-                KernelLogError::NotFound { path }
-            }
+            Some(libc::ENOENT) | Some(libc::ENXIO) | Some(libc::ENODEV) => KernelLogError::NotFound { path },
             _ => KernelLogError::Open { path, source: err },
         });
     }
@@ -410,9 +394,7 @@ fn reader_loop(fd: &OwnedFd, stop: &OwnedFd, shared: &Shared) {
             return;
         }
         if fds[0].revents & libc::POLLNVAL != 0 {
-            tracing::error!(
-                "kernel log descriptor became invalid; no more kernel events will be seen"
-            );
+            tracing::error!("kernel log descriptor became invalid; no more kernel events will be seen");
             return;
         }
         let mut progressed = false;
@@ -515,16 +497,12 @@ mod tests {
     fn xid_query_filters_by_bus_and_time() {
         let mut w = Window::new(100, Duration::from_secs(120));
         let t = Instant::now();
-        let x = kmsg::parse_line(
-            "NVRM: Xid (PCI:0000:3b:00): 79, pid=1, name=p, GPU has fallen off the bus.",
-        )
-        .expect("parses");
+        let x = kmsg::parse_line("NVRM: Xid (PCI:0000:3b:00): 79, pid=1, name=p, GPU has fallen off the bus.")
+            .expect("parses");
         w.push(t, x);
         assert!(w.xid_for("00000000:3B:00.0", t).is_some());
         assert!(w.xid_for("0000:3c:00.0", t).is_none());
         assert!(w.xid_for("garbage", t).is_none());
-        assert!(w
-            .xid_for("0000:3b:00", t + Duration::from_secs(1))
-            .is_none());
+        assert!(w.xid_for("0000:3b:00", t + Duration::from_secs(1)).is_none());
     }
 }

@@ -188,9 +188,7 @@ fn split_dmesg_header(line: &str) -> Option<(Option<u64>, &str)> {
     let frac_digits: String = frac.chars().take(6).collect();
     let scale = 10u64.pow(6 - frac_digits.len() as u32);
     let micros = frac_digits.parse::<u64>().ok()?.checked_mul(scale)?;
-    let ts = secs
-        .checked_mul(1_000_000)
-        .and_then(|s| s.checked_add(micros));
+    let ts = secs.checked_mul(1_000_000).and_then(|s| s.checked_add(micros));
     Some((ts, msg.strip_prefix(' ').unwrap_or(msg)))
 }
 
@@ -329,9 +327,7 @@ fn parse_xid(msg: &str) -> Option<GpuXid> {
         b.to_ascii_lowercase()
     });
     let rest = rest.trim_start();
-    let code_end = rest
-        .find(|c: char| !c.is_ascii_digit())
-        .unwrap_or(rest.len());
+    let code_end = rest.find(|c: char| !c.is_ascii_digit()).unwrap_or(rest.len());
     let code: u32 = rest[..code_end].parse().ok()?;
     let mut rest = rest[code_end..].trim_start_matches(',').trim_start();
     let mut pid = None;
@@ -496,15 +492,11 @@ mod tests {
         assert_eq!(x.pid, None);
         assert_eq!(x.process_name, None);
         assert_eq!(x.text, "GPU has fallen off the bus");
-        let x =
-            xid("NVRM: Xid (0000:03:00): 13, 0001 00000000 0000a097 00001b0c 00000004 00000000");
+        let x = xid("NVRM: Xid (0000:03:00): 13, 0001 00000000 0000a097 00001b0c 00000004 00000000");
         assert_eq!(x.pci_bus_id, "0000:03:00");
         assert_eq!(x.code, 13);
         assert_eq!(x.pid, None);
-        assert_eq!(
-            parse_line("NVRM: Xid (PCI:0000:3b:00): notanumber, whatever"),
-            None
-        );
+        assert_eq!(parse_line("NVRM: Xid (PCI:0000:3b:00): notanumber, whatever"), None);
     }
 
     #[test]
@@ -517,24 +509,12 @@ mod tests {
             "3b:00.0",
             " 0000:3B:00.0 ",
         ] {
-            assert_eq!(
-                normalize_pci_bus_id(id).as_deref(),
-                Some("0000:3b:00"),
-                "{id}"
-            );
+            assert_eq!(normalize_pci_bus_id(id).as_deref(), Some("0000:3b:00"), "{id}");
         }
         assert!(pci_bus_ids_match("00000000:3B:00.0", "0000:3b:00"));
         assert!(!pci_bus_ids_match("00000000:3B:00.0", "0000:3c:00"));
         assert!(!pci_bus_ids_match("garbage", "garbage"));
-        for bad in [
-            "",
-            ":",
-            "0000:3b",
-            "0000:3b:20.0",
-            "0000:3b:00.8",
-            "x:y:z",
-            "+1:2:3",
-        ] {
+        for bad in ["", ":", "0000:3b", "0000:3b:20.0", "0000:3b:00.8", "x:y:z", "+1:2:3"] {
             assert_eq!(normalize_pci_bus_id(bad), None, "{bad}");
         }
     }

@@ -59,11 +59,7 @@ pub fn oom_wait_needed(exit: Option<ExitInfo>, cgroup_oom: Option<&CgroupOomDelt
 /// the cgroup OOM counters carried in `exit`, the kernel log's OOM record
 /// (waiting at most [`OOM_LOG_GRACE`] for it when [`oom_wait_needed`]) and
 /// an Xid on `gpu_bus_id` since the watch started.
-pub async fn diagnose<K>(
-    exit: &ProcessExit<K>,
-    kernel: &KernelLog,
-    gpu_bus_id: Option<&str>,
-) -> Classification {
+pub async fn diagnose<K>(exit: &ProcessExit<K>, kernel: &KernelLog, gpu_bus_id: Option<&str>) -> Classification {
     let since = exit.watched_since;
     let oom = if oom_wait_needed(exit.exit, exit.cgroup_oom.as_ref()) {
         kernel.wait_for_oom(exit.pid, since, OOM_LOG_GRACE).await

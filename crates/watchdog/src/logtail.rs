@@ -74,10 +74,7 @@ impl LogTail {
     fn append_partial(&mut self, bytes: &[u8]) {
         // Keep up to 3 extra bytes so a multi-byte character at the cap is
         // not split before the lossy conversion.
-        let room = self
-            .max_line_bytes
-            .saturating_add(3)
-            .saturating_sub(self.partial.len());
+        let room = self.max_line_bytes.saturating_add(3).saturating_sub(self.partial.len());
         self.partial
             .extend_from_slice(bytes.get(..room.min(bytes.len())).unwrap_or(&[]));
     }

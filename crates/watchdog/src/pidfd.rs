@@ -214,13 +214,10 @@ impl PidWatch {
         }
         // SAFETY: the AsyncFd owns the OwnedFd, so the descriptor stays open
         // and unchanged for the AsyncFd's whole life.
-        let fd =
-            unsafe { AsyncFd::register_with_interest(fd, Interest::READABLE) }.map_err(|e| {
-                WatchError::Io {
-                    pid,
-                    source: e.into_parts().1,
-                }
-            })?;
+        let fd = unsafe { AsyncFd::register_with_interest(fd, Interest::READABLE) }.map_err(|e| WatchError::Io {
+            pid,
+            source: e.into_parts().1,
+        })?;
         Ok(PidWatch { pid, fd })
     }
 
@@ -231,10 +228,11 @@ impl PidWatch {
     /// Resolves when the process has exited (pidfds turn readable then).
     pub async fn exited(&self) -> Result<(), WatchError> {
         // Readiness is never cleared: once exited, always exited.
-        let _guard = self.fd.readable().await.map_err(|source| WatchError::Io {
-            pid: self.pid,
-            source,
-        })?;
+        let _guard = self
+            .fd
+            .readable()
+            .await
+            .map_err(|source| WatchError::Io { pid: self.pid, source })?;
         Ok(())
     }
 
@@ -297,22 +295,13 @@ pub enum Identity {
 /// pidfd, and `alive_after_read` whether the pidfd was still not readable
 /// after that read: if the process was alive then, the pid could not have
 /// been recycled in between, so `observed` is our process's start time.
-pub fn judge_identity(
-    expected: Option<u64>,
-    observed: Option<u64>,
-    alive_after_read: bool,
-) -> Identity {
+pub fn judge_identity(expected: Option<u64>, observed: Option<u64>, alive_after_read: bool) -> Identity {
     if !alive_after_read {
         return Identity::ExitedMeanwhile;
     }
     match (expected, observed) {
-        (Some(e), Some(o)) if e != o => Identity::Reused {
-            expected: e,
-            found: o,
-        },
-        _ => Identity::Confirmed {
-            start_time: observed,
-        },
+        (Some(e), Some(o)) if e != o => Identity::Reused { expected: e, found: o },
+        _ => Identity::Confirmed { start_time: observed },
     }
 }
 
@@ -411,12 +400,7 @@ where
     /// registered by the rank itself). If the pid now belongs to another
     /// process, the expected one is reported exited
     /// ([`ExitObserved::PidReused`]) instead of watching a stranger.
-    pub fn add_with_start_time(
-        &self,
-        key: K,
-        pid: u32,
-        expected_start_time: u64,
-    ) -> Result<(), WatchError> {
+    pub fn add_with_start_time(&self, key: K, pid: u32, expected_start_time: u64) -> Result<(), WatchError> {
         self.add_inner(key, pid, Some(expected_start_time))
     }
 
@@ -427,11 +411,7 @@ where
         let fd = match pidfd_open(pid) {
             Ok(fd) => fd,
             Err(WatchError::NoSuchProcess { .. }) => {
-                tracing::info!(
-                    ?key,
-                    pid,
-                    "process to watch does not exist; reporting it exited"
-                );
+                tracing::info!(?key, pid, "process to watch does not exist; reporting it exited");
                 self.report_now(key, pid, ExitObserved::AlreadyGone, watched_since, None);
                 return Ok(());
             }
@@ -450,13 +430,7 @@ where
                     found,
                     "pid was reused by another process; reporting the expected one exited"
                 );
-                self.report_now(
-                    key,
-                    pid,
-                    ExitObserved::PidReused,
-                    watched_since,
-                    Some(found),
-                );
+                self.report_now(key, pid, ExitObserved::PidReused, watched_since, Some(found));
                 return Ok(());
             }
             Identity::Confirmed { start_time } => start_time,
@@ -509,14 +483,7 @@ where
         Ok(())
     }
 
-    fn report_now(
-        &self,
-        key: K,
-        pid: u32,
-        observed: ExitObserved,
-        watched_since: Instant,
-        start_time: Option<u64>,
-    ) {
+    fn report_now(&self, key: K, pid: u32, observed: ExitObserved, watched_since: Instant, start_time: Option<u64>) {
         if let Some(old) = lock(&self.entries).remove(&key) {
             old.task.abort();
         }
@@ -546,10 +513,7 @@ where
 
     /// The keys and pids currently watched.
     pub fn watched(&self) -> Vec<(K, u32)> {
-        lock(&self.entries)
-            .iter()
-            .map(|(k, e)| (k.clone(), e.pid))
-            .collect()
+        lock(&self.entries).iter().map(|(k, e)| (k.clone(), e.pid)).collect()
     }
 
     pub fn len(&self) -> usize {
@@ -594,9 +558,7 @@ mod tests {
     fn identity_verdicts() {
         assert_eq!(
             judge_identity(Some(100), Some(100), true),
-            Identity::Confirmed {
-                start_time: Some(100)
-            }
+            Identity::Confirmed { start_time: Some(100) }
         );
         assert_eq!(
             judge_identity(Some(100), Some(250), true),
@@ -608,9 +570,7 @@ mod tests {
         // No expectation: record what we saw.
         assert_eq!(
             judge_identity(None, Some(7), true),
-            Identity::Confirmed {
-                start_time: Some(7)
-            }
+            Identity::Confirmed { start_time: Some(7) }
         );
         // /proc unreadable (hidepid): cannot disprove, so watch.
         assert_eq!(
@@ -619,19 +579,13 @@ mod tests {
         );
         // Died during the check: the stat we read may be a successor's, so
         // it proves nothing; the watch reports the exit.
-        assert_eq!(
-            judge_identity(Some(100), Some(250), false),
-            Identity::ExitedMeanwhile
-        );
+        assert_eq!(judge_identity(Some(100), Some(250), false), Identity::ExitedMeanwhile);
     }
 
     #[test]
     fn exit_info_display() {
         assert_eq!(ExitInfo::exited(3).to_string(), "exited with code 3");
-        assert_eq!(
-            ExitInfo::signaled(9).to_string(),
-            "killed by signal 9 (SIGKILL)"
-        );
+        assert_eq!(ExitInfo::signaled(9).to_string(), "killed by signal 9 (SIGKILL)");
         assert_eq!(ExitInfo::signaled(77).to_string(), "killed by signal 77");
     }
 

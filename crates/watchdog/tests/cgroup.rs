@@ -3,11 +3,12 @@
 use std::path::{Path, PathBuf};
 
 use rootrank_watchdog::cgroup::{
-    counter_file, parse_mountinfo, parse_oom_counters, parse_proc_cgroup, CgroupMounts,
-    CgroupOomProbe, CounterFile, OomCounters, ProcCgroup,
+    counter_file, parse_mountinfo, parse_oom_counters, parse_proc_cgroup, CgroupMounts, CgroupOomProbe, CounterFile,
+    OomCounters, ProcCgroup,
 };
 
-const V2_CGROUP: &str = "0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod1234.slice/cri-containerd-abc.scope\n";
+const V2_CGROUP: &str =
+    "0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod1234.slice/cri-containerd-abc.scope\n";
 
 /// systemd hybrid host (v1 controllers + unified for systemd).
 const HYBRID_CGROUP: &str = "\
@@ -56,7 +57,9 @@ fn proc_cgroup_forms() {
     assert_eq!(
         parse_proc_cgroup(V2_CGROUP),
         ProcCgroup {
-            unified: s("/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod1234.slice/cri-containerd-abc.scope"),
+            unified: s(
+                "/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod1234.slice/cri-containerd-abc.scope"
+            ),
             memory_v1: None,
         }
     );
@@ -87,18 +90,9 @@ fn mountinfo_forms() {
         }
     );
     let m = parse_mountinfo(HYBRID_MOUNTINFO);
-    assert_eq!(
-        m.unified,
-        Some((PathBuf::from("/sys/fs/cgroup/unified"), "/".into()))
-    );
-    assert_eq!(
-        m.memory_v1,
-        Some((PathBuf::from("/sys/fs/cgroup/memory"), "/".into()))
-    );
-    assert_eq!(
-        parse_mountinfo("nonsense - \n - \n"),
-        CgroupMounts::default()
-    );
+    assert_eq!(m.unified, Some((PathBuf::from("/sys/fs/cgroup/unified"), "/".into())));
+    assert_eq!(m.memory_v1, Some((PathBuf::from("/sys/fs/cgroup/memory"), "/".into())));
+    assert_eq!(parse_mountinfo("nonsense - \n - \n"), CgroupMounts::default());
     // Escaped space in a mount point.
     let m = parse_mountinfo("1 2 0:1 / /mnt/cg\\040two rw - cgroup2 cgroup2 rw\n");
     assert_eq!(m.unified, Some((PathBuf::from("/mnt/cg two"), "/".into())));
@@ -106,10 +100,7 @@ fn mountinfo_forms() {
 
 #[test]
 fn counter_file_resolution() {
-    let v2 = counter_file(
-        &parse_proc_cgroup(V2_CGROUP),
-        &parse_mountinfo(V2_MOUNTINFO),
-    );
+    let v2 = counter_file(&parse_proc_cgroup(V2_CGROUP), &parse_mountinfo(V2_MOUNTINFO));
     assert_eq!(
         v2,
         Some((
@@ -118,16 +109,11 @@ fn counter_file_resolution() {
         ))
     );
     // Hybrid: memory lives in v1.
-    let hy = counter_file(
-        &parse_proc_cgroup(HYBRID_CGROUP),
-        &parse_mountinfo(HYBRID_MOUNTINFO),
-    );
+    let hy = counter_file(&parse_proc_cgroup(HYBRID_CGROUP), &parse_mountinfo(HYBRID_MOUNTINFO));
     assert_eq!(
         hy,
         Some((
-            PathBuf::from(
-                "/sys/fs/cgroup/memory/user.slice/user-1000.slice/session-3.scope/memory.oom_control"
-            ),
+            PathBuf::from("/sys/fs/cgroup/memory/user.slice/user-1000.slice/session-3.scope/memory.oom_control"),
             CounterFile::OomControl
         ))
     );
@@ -148,10 +134,7 @@ fn counter_file_resolution() {
     let cg = parse_proc_cgroup("0::/\n");
     assert_eq!(
         counter_file(&cg, &parse_mountinfo(V2_MOUNTINFO)),
-        Some((
-            PathBuf::from("/sys/fs/cgroup/memory.events"),
-            CounterFile::MemoryEvents
-        ))
+        Some((PathBuf::from("/sys/fs/cgroup/memory.events"), CounterFile::MemoryEvents))
     );
     // No mounts known.
     assert_eq!(counter_file(&cg, &CgroupMounts::default()), None);
@@ -168,16 +151,10 @@ fn counter_parsing() {
     );
     assert_eq!(
         parse_oom_counters(OOM_CONTROL),
-        Some(OomCounters {
-            oom: None,
-            oom_kill: 5
-        })
+        Some(OomCounters { oom: None, oom_kill: 5 })
     );
     // v1 before 4.13 has no oom_kill line.
-    assert_eq!(
-        parse_oom_counters("oom_kill_disable 0\nunder_oom 0\n"),
-        None
-    );
+    assert_eq!(parse_oom_counters("oom_kill_disable 0\nunder_oom 0\n"), None);
     assert_eq!(parse_oom_counters(""), None);
     assert_eq!(parse_oom_counters("oom_kill lots\n"), None);
 }

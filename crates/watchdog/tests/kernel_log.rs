@@ -61,10 +61,7 @@ fn open_reads_only_new_records() {
     kmsg.write_all(nonce.as_bytes()).expect("write /dev/kmsg");
     let deadline = Instant::now() + Duration::from_secs(2);
     while log.stats().records <= before {
-        assert!(
-            Instant::now() < deadline,
-            "reader did not see the new record"
-        );
+        assert!(Instant::now() < deadline, "reader did not see the new record");
         std::thread::sleep(Duration::from_millis(5));
     }
     assert_eq!(log.stats().events, 0, "the self-test line is not an event");
@@ -95,10 +92,7 @@ fn unavailable_log_answers_none() {
 async fn unavailable_log_does_not_wait() {
     let log = KernelLog::unavailable();
     let t = Instant::now();
-    assert!(log
-        .wait_for_oom(1, t, Duration::from_secs(5))
-        .await
-        .is_none());
+    assert!(log.wait_for_oom(1, t, Duration::from_secs(5)).await.is_none());
     assert!(t.elapsed() < Duration::from_millis(5));
 }
 
@@ -118,30 +112,19 @@ async fn wait_for_oom_sees_a_line_that_lands_late_and_is_capped() {
         })
     };
     let t = Instant::now();
-    let got = log
-        .wait_for_oom(31337, since, Duration::from_secs(10))
-        .await;
+    let got = log.wait_for_oom(31337, since, Duration::from_secs(10)).await;
     let waited = t.elapsed();
     let _ = feeder.await;
     let o = got.expect("late OOM line found");
     assert_eq!(o.anon_rss_kb, Some(9));
-    assert!(
-        waited < OOM_LOG_GRACE + Duration::from_millis(10),
-        "{waited:?}"
-    );
+    assert!(waited < OOM_LOG_GRACE + Duration::from_millis(10), "{waited:?}");
 
     // No line at all: gives up after the grace, even if asked for 10 s.
     let t = Instant::now();
-    assert!(log
-        .wait_for_oom(31338, since, Duration::from_secs(10))
-        .await
-        .is_none());
+    assert!(log.wait_for_oom(31338, since, Duration::from_secs(10)).await.is_none());
     let waited = t.elapsed();
     assert!(waited >= OOM_LOG_GRACE, "{waited:?}");
-    assert!(
-        waited < OOM_LOG_GRACE + Duration::from_millis(50),
-        "{waited:?}"
-    );
+    assert!(waited < OOM_LOG_GRACE + Duration::from_millis(50), "{waited:?}");
 
     // An OOM from before the watch started is not blamed.
     let later = Instant::now();

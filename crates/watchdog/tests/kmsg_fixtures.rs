@@ -243,10 +243,7 @@ fn fixture_lines_parse_as_expected() {
         }
     }
     assert_eq!(seen, want.len());
-    assert!(
-        FIXTURE.lines().count() > 30,
-        "fixture should mix in unrelated lines"
-    );
+    assert!(FIXTURE.lines().count() > 30, "fixture should mix in unrelated lines");
 }
 
 #[test]
@@ -256,10 +253,7 @@ fn kmsg_record_read_includes_its_continuation_lines() {
     let record = format!("{}\n{}\n{}\n", lines[31], lines[32], lines[33]);
     let got = kmsg::parse_line(&record);
     assert_eq!(got.as_ref(), expected().get(&32));
-    assert_eq!(
-        kmsg::parse_bytes(record.as_bytes()).as_ref(),
-        expected().get(&32)
-    );
+    assert_eq!(kmsg::parse_bytes(record.as_bytes()).as_ref(), expected().get(&32));
 }
 
 #[test]

@@ -6,8 +6,8 @@ use std::time::{Duration, Instant};
 
 use rootrank_watchdog::pidfd::proc_start_time;
 use rootrank_watchdog::{
-    classify, diagnose, reason, Evidence, ExitInfo, ExitObserved, KernelLog, PidWatch, ProcessExit,
-    ProcessWatcher, WatchError,
+    classify, diagnose, reason, Evidence, ExitInfo, ExitObserved, KernelLog, PidWatch, ProcessExit, ProcessWatcher,
+    WatchError,
 };
 use tokio::sync::mpsc::UnboundedReceiver;
 
@@ -21,10 +21,7 @@ async fn next<K>(rx: &mut UnboundedReceiver<ProcessExit<K>>) -> ProcessExit<K> {
 }
 
 fn sleeper() -> std::process::Child {
-    Command::new("sleep")
-        .arg("30")
-        .spawn()
-        .expect("spawn sleep")
+    Command::new("sleep").arg("30").spawn().expect("spawn sleep")
 }
 
 /// Starts `sleep 30` as a grandchild whose parent exits at once, so it is
@@ -92,10 +89,7 @@ async fn child_exiting_with_code_3_reports_code_3() {
         exit: ev.exit,
         ..Evidence::default()
     });
-    assert_eq!(
-        (c.reason, c.detail.as_str()),
-        ("process_exit", "exited with code 3")
-    );
+    assert_eq!((c.reason, c.detail.as_str()), ("process_exit", "exited with code 3"));
     assert_eq!(child.wait().expect("reap").code(), Some(3));
 }
 
@@ -109,11 +103,7 @@ async fn non_child_killed_reports_no_status() {
         .and_then(|(_, rest)| rest.split_whitespace().nth(1))
         .and_then(|p| p.parse().ok())
         .expect("ppid field");
-    assert_ne!(
-        ppid,
-        std::process::id(),
-        "test setup: must not be our child"
-    );
+    assert_ne!(ppid, std::process::id(), "test setup: must not be our child");
     let (w, mut rx) = ProcessWatcher::new();
     w.add("rank1", pid).expect("watch non-child");
     let killed_at = Instant::now();
@@ -156,10 +146,7 @@ async fn kernel_oom_line_makes_it_oom_host() {
     let c = diagnose(&no_oom, &log, Some("00000000:3B:00.0")).await;
     assert_eq!(
         (c.reason, c.detail.as_str()),
-        (
-            "gpu_xid",
-            "Xid 79 on 0000:3b:00: GPU has fallen off the bus"
-        )
+        ("gpu_xid", "Xid 79 on 0000:3b:00: GPU has fallen off the bus")
     );
     let _ = child.wait();
 }
@@ -172,8 +159,7 @@ async fn reused_pid_is_reported_exited_not_watched() {
     let real = proc_start_time(pid).expect("start time");
     // The caller registered the process with a different start time: this
     // pid now belongs to someone else.
-    w.add_with_start_time("stale", pid, real + 1234)
-        .expect("add");
+    w.add_with_start_time("stale", pid, real + 1234).expect("add");
     let ev = next(&mut rx).await;
     assert_eq!(ev.observed, ExitObserved::PidReused);
     assert_eq!(ev.exit, None);
@@ -250,10 +236,7 @@ async fn pid_watch_direct() {
 #[test]
 fn errors_are_typed() {
     assert!(matches!(PidWatch::open(0), Err(WatchError::InvalidPid(0))));
-    assert!(matches!(
-        PidWatch::open(u32::MAX),
-        Err(WatchError::InvalidPid(_))
-    ));
+    assert!(matches!(PidWatch::open(u32::MAX), Err(WatchError::InvalidPid(_))));
     // Outside a runtime: a typed error, not tokio's panic.
     let mut child = sleeper();
     match PidWatch::open(child.id()) {
@@ -284,10 +267,7 @@ async fn plain_sigkill_skips_the_oom_wait_when_the_cgroup_counter_is_still() {
     match &ev.cgroup_oom {
         Some(d) => {
             assert!(!d.killed(), "{d:?}");
-            assert!(
-                took < Duration::from_millis(5),
-                "no wait expected: {took:?}"
-            );
+            assert!(took < Duration::from_millis(5), "no wait expected: {took:?}");
         }
         None if log.is_available() => {
             assert!(took >= rootrank_watchdog::OOM_LOG_GRACE, "{took:?}");

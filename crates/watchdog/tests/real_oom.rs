@@ -60,10 +60,7 @@ async fn real_memcg_oom_kill_is_classified_oom_host() {
     let cg = match make_cgroup() {
         Ok(cg) => cg,
         Err(e) => {
-            assert!(
-                !is_root(),
-                "root must be able to create a memory cgroup: {e}"
-            );
+            assert!(!is_root(), "root must be able to create a memory cgroup: {e}");
             assert_eq!(e.kind(), std::io::ErrorKind::PermissionDenied, "{e}");
             return;
         }
@@ -100,11 +97,7 @@ async fn real_memcg_oom_kill_is_classified_oom_host() {
         c.reason, c.detail
     );
 
-    assert_eq!(
-        ev.exit,
-        Some(ExitInfo::signaled(9)),
-        "OOM kills are SIGKILL"
-    );
+    assert_eq!(ev.exit, Some(ExitInfo::signaled(9)), "OOM kills are SIGKILL");
     let delta = ev.cgroup_oom.clone().expect("cgroup counters readable");
     assert!(delta.killed(), "cgroup oom_kill went up: {delta:?}");
     assert!(delta.file.starts_with(&cg.0), "{:?}", delta.file);
@@ -115,8 +108,7 @@ async fn real_memcg_oom_kill_is_classified_oom_host() {
     assert_eq!(oom.comm, "tail");
     assert!(oom.memcg_oom, "{oom:?}");
     assert!(
-        c.detail
-            .starts_with(&format!("OOM killer killed pid {pid} (tail)")),
+        c.detail.starts_with(&format!("OOM killer killed pid {pid} (tail)")),
         "{}",
         c.detail
     );

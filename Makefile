@@ -1,0 +1,41 @@
+# rootrank: the two commands a new user needs are `make demo` and `make test`.
+# Every target installs what it needs first (scripts/deps.sh, scripts/fetch-nixl.sh), idempotently.
+
+CARGO ?= cargo
+
+.PHONY: all deps nixl build test lint demo serve clean
+
+all: build
+
+deps:
+	@scripts/deps.sh
+
+nixl: deps
+	@scripts/fetch-nixl.sh
+
+build: deps
+	$(CARGO) build --workspace --all-targets
+
+lint: deps
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
+
+# Every test: the verdict core (tables and properties), the crates' own tests, and the
+# end-to-end tests on real etcd, real rank processes and real NIXL.
+test: nixl lint
+	$(CARGO) build --workspace --bins
+	$(CARGO) test --workspace --no-fail-fast
+
+# The whole story on one machine: private etcd, coordinator, simulated PD deployment with
+# real NIXL transfers, a rank death and a transfer failure, narrated.
+demo: nixl
+	$(CARGO) run --release --bin rootrank -- demo
+
+# A coordinator with its own private etcd, on 127.0.0.1:9750.
+serve: deps
+	$(CARGO) run --release --bin rootrank -- serve
+
+clean:
+	$(CARGO) clean
+
+-include mk/*.mk

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Installs the system packages rootrank's build, tests, demo and benchmarks need, and only
+# those that are missing (idempotent: a second run does nothing). Debian/Ubuntu, as root or
+# with sudo.
+#   etcd-server etcd-client      the store (tests start throwaway etcd processes)
+#   protobuf-compiler libprotobuf-dev   etcd-client's gRPC code generation
+#   clang libclang-dev g++       nixl-sys (bindgen, its C++ stub)
+#   prometheus                   promtool, to check the /metrics exposition
+#   wrk hey                      HTTP load for the benchmarks
+set -euo pipefail
+
+PKGS=(etcd-server etcd-client protobuf-compiler libprotobuf-dev clang libclang-dev g++ prometheus wrk hey)
+
+missing=()
+for p in "${PKGS[@]}"; do
+    if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+        missing+=("$p")
+    fi
+done
+if [[ ${#missing[@]} -eq 0 ]]; then
+    echo "deps: all system packages present"
+else
+    SUDO=""
+    if [[ $(id -u) -ne 0 ]]; then SUDO="sudo"; fi
+    echo "deps: installing ${missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    $SUDO apt-get update -qq
+    $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+# The Debian prometheus package starts a server on install; rootrank's tests start their
+# own processes and need none running.
+if command -v systemctl >/dev/null 2>&1 && systemctl is-active --quiet prometheus 2>/dev/null; then
+    systemctl stop prometheus || true
+fi
+for bin in etcd etcdctl protoc promtool clang; do
+    command -v "$bin" >/dev/null || { echo "deps: $bin still missing after install" >&2; exit 1; }
+done
