@@ -10,6 +10,7 @@
 
 pub mod http;
 pub mod metrics;
+pub mod presence;
 pub mod sync;
 
 use std::net::SocketAddr;
@@ -78,10 +79,12 @@ pub async fn run(
     let addr = listener.local_addr().map_err(CoordinatorError::Serve)?;
     tracing::info!(%addr, endpoints = %config.endpoints.join(","), prefix = %config.index.prefix, "coordinator listening");
     let sync = tokio::spawn(sync::run(config.clone(), shared.clone()));
+    let presence = tokio::spawn(presence::run(config.clone(), addr));
     let app = http::router(shared.clone());
     let served = axum::serve(listener, app.into_make_service())
         .with_graceful_shutdown(shutdown)
         .await;
     sync.abort();
+    presence.abort();
     served.map_err(CoordinatorError::Serve)
 }

@@ -35,6 +35,12 @@ pub fn key_room(g: &str, room: u64, r: u32) -> String {
     format!("/rootrank/v1/groups/{g}/rooms/{room}/ranks/{r}")
 }
 
+impl Default for World {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 impl World {
     pub fn new() -> Self {
         World {
@@ -145,7 +151,7 @@ impl World {
         let inc = self.incarnation(g, r);
         let k = key_down(g, r, inc);
         let mut observed_revision = serde_json::Value::Null;
-        let mut registered_revision = json!(self.registered_at_revision.get(&inc));
+        let registered_revision = json!(self.registered_at_revision.get(&inc));
         if let Some((v, _, _)) = self.kv.get(&k) {
             let existing: serde_json::Value = serde_json::from_slice(v).unwrap_or_default();
             if existing["source"] != "coordinator" {
