@@ -39,21 +39,43 @@ fn bad_input_is_rejected_and_never_written() {
     let etcd = Etcd::start().unwrap();
     let agent = Agent::start(AgentConfig::new(vec![etcd.endpoint()], "prefill-0", 1, 2).unwrap()).unwrap();
     assert!(agent.wait_registered(Duration::from_secs(10)).is_some());
-    assert!(matches!(agent.record_failure(1 << 63, Origin::Local, "nixl_error", "", None), Err(AgentError::Invalid(_))));
-    assert!(matches!(agent.record_failure(1, Origin::Local, "NIXL Error!", "", None), Err(AgentError::Invalid(_))));
+    assert!(matches!(
+        agent.record_failure(1 << 63, Origin::Local, "nixl_error", "", None),
+        Err(AgentError::Invalid(_))
+    ));
+    assert!(matches!(
+        agent.record_failure(1, Origin::Local, "NIXL Error!", "", None),
+        Err(AgentError::Invalid(_))
+    ));
     assert!(matches!(agent.record_down("", "", None), Err(AgentError::Invalid(_))));
-    agent.record_failure(2, Origin::Local, "nixl_error", &"é".repeat(5000), None).unwrap();
+    agent
+        .record_failure(2, Origin::Local, "nixl_error", &"é".repeat(5000), None)
+        .unwrap();
     assert!(agent.flush(Duration::from_secs(10)));
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
     let kvs = rt.block_on(async {
         let mut c = Client::connect([etcd.endpoint()], None).await.unwrap();
-        c.get("/rootrank/v1/groups/prefill-0/rooms/", Some(GetOptions::new().with_prefix())).await.unwrap().kvs().to_vec()
+        c.get(
+            "/rootrank/v1/groups/prefill-0/rooms/",
+            Some(GetOptions::new().with_prefix()),
+        )
+        .await
+        .unwrap()
+        .kvs()
+        .to_vec()
     });
     assert_eq!(kvs.len(), 1, "only the valid record was written");
     let v: serde_json::Value = serde_json::from_slice(kvs[0].value()).unwrap();
     assert_eq!(v["room"], "2");
     assert!(v["detail"].as_str().unwrap().len() <= 4096, "detail capped at 4 KiB");
-    assert_ne!(kvs[0].lease(), agent.incarnation().unwrap().lease_id(), "records never ride on the liveness lease");
+    assert_ne!(
+        kvs[0].lease(),
+        agent.incarnation().unwrap().lease_id(),
+        "records never ride on the liveness lease"
+    );
     assert!(agent.shutdown(Duration::from_secs(10)));
 }
 
@@ -66,7 +88,11 @@ fn invalid_config_is_a_clear_error() {
     let err = Agent::start(cfg).err().unwrap().to_string();
     assert!(err.contains("lease_ttl"), "{err}");
     let cfg = AgentConfig::new(vec![], "g", 0, 1).unwrap();
-    assert!(Agent::start(cfg).err().unwrap().to_string().contains("ROOTRANK_ETCD_ENDPOINTS"));
+    assert!(Agent::start(cfg)
+        .err()
+        .unwrap()
+        .to_string()
+        .contains("ROOTRANK_ETCD_ENDPOINTS"));
 }
 
 #[test]
@@ -98,10 +124,17 @@ fn a_host_that_saturates_every_core_does_not_starve_the_keepalive() {
     // Same incarnation: the lease never lapsed, and the live key is still there.
     assert_eq!(agent.incarnation(), Some(first));
     assert_eq!(agent.stats().registrations.load(Ordering::Relaxed), 1);
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
     let live = rt.block_on(async {
         let mut c = Client::connect([etcd.endpoint()], None).await.unwrap();
-        c.get("/rootrank/v1/groups/prefill-0/ranks/0/live", None).await.unwrap().kvs().to_vec()
+        c.get("/rootrank/v1/groups/prefill-0/ranks/0/live", None)
+            .await
+            .unwrap()
+            .kvs()
+            .to_vec()
     });
     assert_eq!(live.first().map(|kv| kv.lease()), Some(first.lease_id()));
     assert!(agent.shutdown(Duration::from_secs(10)));

@@ -84,7 +84,8 @@ async fn observe(State(shared): State<Arc<Shared>>, req: Request, next: Next) ->
         .get::<MatchedPath>()
         .map_or("unmatched", |p| p.as_str())
         .to_string();
-    let resp = if req.uri().to_string().len() > MAX_URI_BYTES {
+    let uri_len = req.uri().path_and_query().map_or(0, |p| p.as_str().len());
+    let resp = if uri_len > MAX_URI_BYTES {
         ApiError::bad("request_too_large", format!("request URI over {MAX_URI_BYTES} bytes")).into_response()
     } else {
         next.run(req).await

@@ -29,6 +29,13 @@ pub struct EtcdOptions {
     /// Client and peer ports; 0 picks free ones.
     pub client_port: u16,
     pub peer_port: u16,
+    /// Member name and `--initial-cluster` for a multi-member cluster (default: one member).
+    pub name: String,
+    pub initial_cluster: Option<String>,
+    /// Wait until this member answers `/health` (a cluster member cannot before quorum).
+    pub wait_healthy: bool,
+    /// More etcd flags (e.g. `--quota-backend-bytes`).
+    pub extra_args: Vec<String>,
 }
 
 impl Default for EtcdOptions {
@@ -37,6 +44,10 @@ impl Default for EtcdOptions {
             fast: true,
             client_port: 0,
             peer_port: 0,
+            name: "rootrank".to_string(),
+            initial_cluster: None,
+            wait_healthy: true,
+            extra_args: Vec::new(),
         }
     }
 }
@@ -48,7 +59,7 @@ pub struct EmbeddedEtcd {
     data_dir: PathBuf,
     client_port: u16,
     peer_port: u16,
-    fast: bool,
+    opts: EtcdOptions,
 }
 
 impl EmbeddedEtcd {
@@ -73,7 +84,7 @@ impl EmbeddedEtcd {
             data_dir: data_dir.to_path_buf(),
             client_port,
             peer_port,
-            fast: opts.fast,
+            opts: opts.clone(),
         };
         etcd.spawn()?;
         Ok(etcd)
@@ -94,8 +105,13 @@ impl EmbeddedEtcd {
         let client = self.endpoint();
         let peer = format!("http://127.0.0.1:{}", self.peer_port);
         let mut cmd = Command::new(bin);
+        let initial_cluster = self
+            .opts
+            .initial_cluster
+            .clone()
+            .unwrap_or_else(|| format!("{}={peer}", self.opts.name));
         cmd.arg("--name")
-            .arg("rootrank")
+            .arg(&self.opts.name)
             .arg("--data-dir")
             .arg(self.data_dir.join("member-data"))
             .arg("--listen-client-urls")
@@ -107,15 +123,16 @@ impl EmbeddedEtcd {
             .arg("--initial-advertise-peer-urls")
             .arg(&peer)
             .arg("--initial-cluster")
-            .arg(format!("rootrank={peer}"))
+            .arg(initial_cluster)
             .arg("--log-level")
             .arg("warn")
             .stdin(Stdio::null())
             .stdout(log)
             .stderr(log2);
-        if self.fast {
+        if self.opts.fast {
             cmd.args(["--heartbeat-interval", "10", "--election-timeout", "100"]);
         }
+        cmd.args(&self.opts.extra_args);
         // A private etcd must not outlive whoever started it, even if that process is
         // SIGKILLed (a test harness, a killed `rootrank serve`).
         // SAFETY: prctl(2) is async-signal-safe and touches no memory of the parent.
@@ -127,6 +144,10 @@ impl EmbeddedEtcd {
             });
         }
         let mut child = cmd.spawn().map_err(EmbeddedError::Spawn)?;
+        if !self.opts.wait_healthy {
+            self.child = Some(child);
+            return Ok(());
+        }
         let deadline = Instant::now() + Duration::from_secs(20);
         let addr = format!("127.0.0.1:{}", self.client_port);
         loop {
@@ -196,7 +217,7 @@ impl Drop for EmbeddedEtcd {
 }
 
 /// etcd answers `/health` with `{"health":"true"}` once it has a leader.
-fn health_ok(addr: &str) -> bool {
+pub fn health_ok(addr: &str) -> bool {
     use std::io::{Read, Write};
     let Ok(mut s) = std::net::TcpStream::connect_timeout(
         &match addr.parse() {
@@ -218,7 +239,7 @@ fn health_ok(addr: &str) -> bool {
     buf.contains("\"health\":\"true\"")
 }
 
-fn free_port() -> Result<u16, EmbeddedError> {
+pub fn free_port() -> Result<u16, EmbeddedError> {
     let l = TcpListener::bind("127.0.0.1:0").map_err(EmbeddedError::Spawn)?;
     l.local_addr().map(|a| a.port()).map_err(EmbeddedError::Spawn)
 }

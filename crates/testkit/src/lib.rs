@@ -55,6 +55,59 @@ impl Etcd {
     }
 }
 
+/// A throwaway etcd cluster of several members on loopback.
+pub struct EtcdCluster {
+    pub members: Vec<EmbeddedEtcd>,
+    _dir: tempfile::TempDir,
+}
+
+impl EtcdCluster {
+    pub fn start(n: usize) -> anyhow::Result<EtcdCluster> {
+        let dir = tempfile::tempdir()?;
+        let ports: Vec<(u16, u16)> = (0..n)
+            .map(|_| Ok((free_port()?, free_port()?)))
+            .collect::<anyhow::Result<_>>()?;
+        let initial = ports
+            .iter()
+            .enumerate()
+            .map(|(i, (_, p))| format!("m{i}=http://127.0.0.1:{p}"))
+            .collect::<Vec<_>>()
+            .join(",");
+        let mut members = Vec::new();
+        for (i, (c, p)) in ports.iter().enumerate() {
+            let opts = EtcdOptions {
+                client_port: *c,
+                peer_port: *p,
+                name: format!("m{i}"),
+                initial_cluster: Some(initial.clone()),
+                wait_healthy: false,
+                ..EtcdOptions::default()
+            };
+            members.push(EmbeddedEtcd::start(&dir.path().join(format!("m{i}")), &opts)?);
+        }
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !members
+            .iter()
+            .all(|m| rootrank_store::embedded::health_ok(&format!("127.0.0.1:{}", m.client_port())))
+        {
+            if Instant::now() > deadline {
+                bail!("etcd cluster not healthy in 30 s");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(EtcdCluster { members, _dir: dir })
+    }
+
+    /// All client endpoints, comma-separated (as `--etcd-endpoints` takes them).
+    pub fn endpoints(&self) -> String {
+        self.members
+            .iter()
+            .map(EmbeddedEtcd::endpoint)
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+}
+
 /// Kills a child and reaps it.
 fn kill_child(c: &mut Child) {
     let _ = c.kill();

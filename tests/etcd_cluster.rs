@@ -1,0 +1,107 @@
+//! A three-member etcd cluster loses a member while ranks publish: etcd-client keeps sending
+//! a share of requests to the dead endpoint and its watches die, so every loop must retry.
+//! Nothing published is lost, and verdicts keep coming.
+
+use std::time::Duration;
+
+use rootrank_testkit::{eventually, Coordinator, EtcdCluster, Rank};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_member_down_loses_nothing_and_the_coordinator_keeps_answering() {
+    let mut cluster = EtcdCluster::start(3).unwrap();
+    let endpoints = cluster.endpoints();
+    let coord = Coordinator::start(&endpoints, &[]).await.unwrap();
+    let mut rs: Vec<Rank> = (0..2)
+        .map(|r| Rank::start(&endpoints, "prefill-7", r, 2, 5000).unwrap())
+        .collect();
+    cluster.members[0].kill();
+    for room in 0..40u64 {
+        rs[1]
+            .fail(700 + room, "local", "nixl_error", "NIXL_ERR_BACKEND")
+            .unwrap();
+        rs[0]
+            .fail(700 + room, "propagated", "other", "NIXL KVSender Exception")
+            .unwrap();
+    }
+    for r in &mut rs {
+        r.flush().unwrap();
+    }
+    for room in 0..40u64 {
+        let v = eventually(Duration::from_secs(30), "both records of the room", || async {
+            let (s, v) = coord.get(&format!("/v1/rooms/{}/verdict", 700 + room)).await.ok()?;
+            (s == 200 && v["evidence"].as_array().map(Vec::len) == Some(2)).then_some(v)
+        })
+        .await
+        .unwrap();
+        assert_eq!(v["culprit"]["rank"], 1);
+    }
+    // The member comes back; the cluster and everything on it carry on.
+    cluster.members[0].restart().unwrap();
+    rs[0].fail(799, "local", "transfer_timeout", "x").unwrap();
+    rs[0].flush().unwrap();
+    let v = eventually(Duration::from_secs(30), "the new room", || async {
+        let (_, v) = coord.get("/v1/rooms/799/verdict").await.ok()?;
+        (v["status"] == "resolved").then_some(v)
+    })
+    .await
+    .unwrap();
+    assert_eq!(v["culprit"]["reason"], "transfer_timeout");
+    let (_, g) = coord.get("/v1/groups/prefill-7").await.unwrap();
+    assert_eq!(g["ranks"][0]["state"], "live", "{g}");
+    assert_eq!(g["ranks"][1]["state"], "live", "{g}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watch_resumed_after_compaction_reloads_the_index() {
+    use rootrank_store::etcd_client::Client;
+    let mut cluster = EtcdCluster::start(3).unwrap();
+    // The coordinator talks to member 0 only; the others stay up to write and compact.
+    let coord = Coordinator::start(&cluster.members[0].endpoint(), &[]).await.unwrap();
+    let other = cluster.members[1].endpoint();
+    let mut r = Rank::start(&other, "prefill-8", 0, 1, 5000).unwrap();
+    r.fail(800, "local", "nixl_error", "before").unwrap();
+    r.flush().unwrap();
+    eventually(Duration::from_secs(20), "room 800", || async {
+        let (_, v) = coord.get("/v1/rooms/800/verdict").await.ok()?;
+        (v["status"] == "resolved").then_some(())
+    })
+    .await
+    .unwrap();
+    cluster.members[0].kill();
+    // While the coordinator's member is down: new records, then a compaction past them.
+    for room in 801..811u64 {
+        r.fail(room, "local", "ucx_error", "during").unwrap();
+    }
+    r.flush().unwrap();
+    let mut c = Client::connect([other.clone()], None).await.unwrap();
+    let rev = c.get("/", None).await.unwrap().header().unwrap().revision();
+    c.compact(rev, None).await.unwrap();
+    cluster.members[0].restart().unwrap();
+    for room in 801..811u64 {
+        let v = eventually(Duration::from_secs(30), "a room written during the outage", || async {
+            let (s, v) = coord.get(&format!("/v1/rooms/{room}/verdict")).await.ok()?;
+            (s == 200 && v["status"] == "resolved").then_some(v)
+        })
+        .await
+        .unwrap();
+        assert_eq!(v["culprit"]["reason"], "ucx_error");
+    }
+    assert_eq!(
+        coord.get("/v1/rooms/800/verdict").await.unwrap().1["culprit"]["reason"],
+        "nixl_error"
+    );
+    let log = coord.log_text();
+    assert!(
+        log.contains("compacted") && log.contains("reloading"),
+        "the reload path ran:\n{log}"
+    );
+    let (_, m) = coord.get("/metrics").await.unwrap();
+    let restarts = m
+        .as_str()
+        .unwrap()
+        .lines()
+        .find(|l| l.starts_with("rootrank_etcd_watch_restarts_total "))
+        .unwrap()
+        .to_string();
+    assert_ne!(restarts, "rootrank_etcd_watch_restarts_total 0");
+}
