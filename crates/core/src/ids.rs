@@ -36,6 +36,7 @@ pub enum IdError {
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct GroupId(Arc<str>);
 
+
 impl GroupId {
     pub fn new(s: &str) -> Result<Self, IdError> {
         let b = s.as_bytes();
@@ -148,6 +149,7 @@ impl<'de> Deserialize<'de> for RoomId {
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Reason(Arc<str>);
 
+
 impl Reason {
     pub fn new(s: &str) -> Result<Self, IdError> {
         let ok = !s.is_empty()
@@ -211,18 +213,22 @@ pub mod reasons {
 }
 
 /// A rank's incarnation: the etcd lease id of its live key. A restarted rank is a new one.
+/// Lease ids are positive, so `Option<Incarnation>` costs no more than an `i64`.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Debug)]
-pub struct Incarnation(i64);
+pub struct Incarnation(std::num::NonZeroI64);
 
 impl Incarnation {
-    pub(crate) const MIN: Incarnation = Incarnation(1);
-    pub(crate) const MAX: Incarnation = Incarnation(i64::MAX);
+    // Evaluated at compile time: 1 is non-zero.
+    pub(crate) const MIN: Incarnation = match std::num::NonZeroI64::new(1) {
+        Some(one) => Incarnation(one),
+        None => Incarnation(std::num::NonZeroI64::MAX),
+    };
+    pub(crate) const MAX: Incarnation = Incarnation(std::num::NonZeroI64::MAX);
 
     pub fn new(lease: i64) -> Result<Self, IdError> {
-        if lease > 0 {
-            Ok(Incarnation(lease))
-        } else {
-            Err(IdError::Incarnation(lease.to_string()))
+        match std::num::NonZeroI64::new(lease) {
+            Some(v) if lease > 0 => Ok(Incarnation(v)),
+            _ => Err(IdError::Incarnation(lease.to_string())),
         }
     }
     pub fn parse(s: &str) -> Result<Self, IdError> {
@@ -235,7 +241,7 @@ impl Incarnation {
             .ok_or_else(|| IdError::Incarnation(truncate_for_error(s)))
     }
     pub fn lease_id(self) -> i64 {
-        self.0
+        self.0.get()
     }
 }
 

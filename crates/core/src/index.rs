@@ -194,7 +194,9 @@ pub(crate) struct RoomRecord {
     pub(crate) rank: Rank,
     pub(crate) origin: Origin,
     pub(crate) reason: Reason,
-    pub(crate) detail: Box<str>,
+    /// Only `local` records keep their detail: a propagated record's text is the generic
+    /// fallback, and no verdict shows it. Saves a heap allocation on most records.
+    pub(crate) detail: Option<Box<str>>,
     pub(crate) at_ms: i64,
     pub(crate) revision: i64,
     pub(crate) incarnation: Option<Incarnation>,
@@ -615,7 +617,7 @@ impl Index {
             rank: rec.rank,
             origin: rec.origin,
             reason,
-            detail: rec.detail.into_boxed_str(),
+            detail: (rec.origin == Origin::Local).then(|| rec.detail.into_boxed_str()),
             at_ms,
             revision,
             incarnation: rec.incarnation,
@@ -635,6 +637,9 @@ impl Index {
             self.record_count -= 1;
         }
         let pos = entry.records.partition_point(|r| r.revision <= revision);
+        // A Vec grows to 4 slots on its first push; most rooms hold a handful of records,
+        // so keep the buffer exact (a million rooms x 3 spare slots is ~300 MB).
+        entry.records.reserve_exact(1);
         entry.records.insert(pos, record);
         self.record_count += 1;
         out.push(Output::RecordAccepted {

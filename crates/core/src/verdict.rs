@@ -310,9 +310,10 @@ impl Decision {
                     }
                     s
                 });
+                let own = r.detail.as_deref().unwrap_or("");
                 let detail = match peer {
-                    Some(p) if !p.is_empty() && !r.detail.contains(&p) => format!("{} (peer: {p})", r.detail),
-                    _ => r.detail.to_string(),
+                    Some(p) if !p.is_empty() && !own.contains(&p) => format!("{own} (peer: {p})"),
+                    _ => own.to_string(),
                 };
                 Some(Culprit {
                     group: r.group.clone(),
