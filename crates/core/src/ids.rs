@@ -36,7 +36,6 @@ pub enum IdError {
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct GroupId(Arc<str>);
 
-
 impl GroupId {
     pub fn new(s: &str) -> Result<Self, IdError> {
         let b = s.as_bytes();
@@ -148,7 +147,6 @@ impl<'de> Deserialize<'de> for RoomId {
 /// A failure or death reason, `[a-z0-9_]{1,64}`. Unknown values from newer agents are kept.
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Reason(Arc<str>);
-
 
 impl Reason {
     pub fn new(s: &str) -> Result<Self, IdError> {
