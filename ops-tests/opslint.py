@@ -21,12 +21,25 @@
       mirror of its /etc/prometheus in the given folder (for `promtool check config`), and
       checks the job `rootrank` scrapes the `rootrank` service on the port the coordinator
       listens on, and that Grafana's dashboard mount is where its provider looks.
+  opslint.py coordinator-smoke DOCKERFILE ROOTRANK_BIN SPEC.md
+      Runs the Dockerfile's ENTRYPOINT + CMD with a real `rootrank` binary against a throwaway
+      etcd, all on loopback (the listen address 0.0.0.0:PORT becomes 127.0.0.1:<free port>,
+      ROOTRANK_ETCD_ENDPOINTS as in compose): the image's HEALTHCHECK command must succeed,
+      /readyz must turn 200, /metrics must pass `promtool check metrics` and expose only SPEC
+      section 8 families with their SPEC types; EXPOSE, CMD --listen and HEALTHCHECK agree on
+      the port.
 """
 import json
 import os
 import re
 import shutil
+import socket
+import subprocess
 import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
 
 import yaml
 
@@ -45,6 +58,9 @@ AGGREGATIONS = {"sum", "min", "max", "avg", "group", "stddev", "stdvar", "count"
 
 class Fail(Exception):
     pass
+
+
+LOG_TAILS = []  # printed after a failure's message
 
 
 def grafana_to_promql(expr):
@@ -340,9 +356,154 @@ def cmd_prom_wiring(compose_config, mirror):
     print(f"prom-wiring: prometheus mounts mirrored into {mirror}; job rootrank -> rootrank service; grafana provider paths {paths if g else '-'}")
 
 
+def dockerfile_instructions(path):
+    """[(INSTRUCTION, rest)] with line continuations joined and comments dropped."""
+    out, cur = [], ""
+    for line in open(path, encoding="utf-8"):
+        line = line.rstrip("\n")
+        if not cur and (not line.strip() or line.lstrip().startswith("#")):
+            continue
+        if line.endswith("\\"):
+            cur += line[:-1] + " "
+            continue
+        cur += line
+        word, _, rest = cur.strip().partition(" ")
+        out.append((word.upper(), rest.strip()))
+        cur = ""
+    return out
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_get(url, timeout=2.0):
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read().decode("utf-8", "replace")
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode("utf-8", "replace")
+    except (urllib.error.URLError, OSError):
+        return None, ""
+
+
+def wait_status(url, want, seconds, procs):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        for name, p in procs:
+            if p.poll() is not None:
+                raise Fail(f"{name} exited with {p.returncode} while waiting for {url}")
+        code, body = http_get(url)
+        if code == want:
+            return body
+        time.sleep(0.2)
+    raise Fail(f"{url} did not answer {want} within {seconds} s (last: {code})")
+
+
+def cmd_coordinator_smoke(dockerfile, binary, spec_path):
+    spec = spec_metrics(spec_path)
+    ins = dockerfile_instructions(dockerfile)
+    stages = [i for i, (w, _) in enumerate(ins) if w == "FROM"]
+    final = ins[stages[-1]:] if stages else ins
+    get = lambda w: [r for x, r in final if x == w]
+    errors = []
+    try:
+        entry = json.loads(get("ENTRYPOINT")[-1])
+        cmd = json.loads(get("CMD")[-1])
+        hc = get("HEALTHCHECK")[-1]
+        hc_cmd = json.loads(hc[hc.index(" CMD ") + 5:] if " CMD " in hc else hc[hc.index("CMD ") + 4:])
+    except (IndexError, ValueError) as e:
+        raise Fail(f"{dockerfile}: final stage needs exec-form ENTRYPOINT, CMD and HEALTHCHECK CMD ({e})")
+    exposed = {e.split("/")[0] for r in get("EXPOSE") for e in r.split()}
+    if entry != ["rootrank"]:
+        errors.append(f"ENTRYPOINT is {entry}, want [\"rootrank\"]")
+    if "--listen" not in cmd:
+        raise Fail(f"CMD {cmd} has no --listen")
+    listen = cmd[cmd.index("--listen") + 1]
+    host, _, port = listen.rpartition(":")
+    if port not in exposed:
+        errors.append(f"CMD listens on {port}, EXPOSE is {sorted(exposed)}")
+    hc_urls = [a for a in hc_cmd if a.startswith("http://")]
+    if not hc_urls or f":{port}/" not in hc_urls[0]:
+        errors.append(f"HEALTHCHECK {hc_cmd} does not probe port {port}")
+    if errors:
+        raise Fail("\n".join(errors))
+    tmp = tempfile.mkdtemp(prefix="ops-smoke-")
+    cport, pport, hport = free_port(), free_port(), free_port()
+    procs = []
+    try:
+        etcd_log = open(os.path.join(tmp, "etcd.log"), "w")
+        procs.append(("etcd", subprocess.Popen(
+            ["etcd", "--name", "smoke", "--data-dir", os.path.join(tmp, "etcd"),
+             "--listen-client-urls", f"http://127.0.0.1:{cport}", "--advertise-client-urls", f"http://127.0.0.1:{cport}",
+             "--listen-peer-urls", f"http://127.0.0.1:{pport}", "--initial-advertise-peer-urls", f"http://127.0.0.1:{pport}",
+             "--initial-cluster", f"smoke=http://127.0.0.1:{pport}"],
+            stdout=etcd_log, stderr=subprocess.STDOUT)))
+        wait_status(f"http://127.0.0.1:{cport}/health", 200, 20, procs)
+        argv = [binary] + [a.replace(listen, f"127.0.0.1:{hport}") for a in cmd]
+        env = dict(os.environ, ROOTRANK_ETCD_ENDPOINTS=f"http://127.0.0.1:{cport}", HOME=tmp)
+        for k in ("ROOTRANK_LISTEN", "ROOTRANK_PREFIX", "ROOTRANK_COORDINATOR"):
+            env.pop(k, None)
+        log = open(os.path.join(tmp, "rootrank.log"), "w")
+        procs.append(("rootrank", subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp)))
+        base = f"http://127.0.0.1:{hport}"
+        wait_status(base + "/healthz", 200, 30, procs)
+        hc_run = [a.replace(f":{port}/", f":{hport}/") for a in hc_cmd]
+        r = subprocess.run(hc_run, capture_output=True, text=True, timeout=10)
+        if r.returncode != 0:
+            raise Fail(f"HEALTHCHECK {hc_run} exited {r.returncode}: {r.stderr.strip()}")
+        wait_status(base + "/readyz", 200, 30, procs)
+        http_get(base + "/v1/groups")
+        code, body = http_get(base + "/v1/rooms/not-a-room/verdict")
+        if code != 400 or '"error"' not in body:
+            errors.append(f"/v1/rooms/not-a-room/verdict answered {code} {body[:100]!r}, want a JSON 400")
+        code, metrics = http_get(base + "/metrics")
+        if code != 200:
+            raise Fail(f"/metrics answered {code}")
+        r = subprocess.run(["promtool", "check", "metrics"], input=metrics, capture_output=True, text=True, timeout=20)
+        if r.returncode != 0:
+            errors.append(f"promtool check metrics: {(r.stdout + r.stderr).strip()}")
+        types = dict(re.findall(r"^# TYPE (\S+) (\S+)$", metrics, re.M))
+        for name, typ in sorted(types.items()):
+            if name not in spec:
+                errors.append(f"/metrics exposes {name}, not in SPEC section 8")
+            elif spec[name][0] != typ:
+                errors.append(f"/metrics: {name} is a {typ}, SPEC says {spec[name][0]}")
+        if not types:
+            errors.append("/metrics exposes no metric family")
+        for name, p in procs:
+            if p.poll() is not None:
+                errors.append(f"{name} exited with {p.returncode}")
+        if errors:
+            raise Fail("\n".join(errors))
+        unseen = sorted(set(spec) - set(types))
+        print(f"coordinator-smoke: {' '.join(['rootrank'] + argv[1:])} with etcd: HEALTHCHECK ok, /readyz 200, "
+              f"/metrics passes promtool, {len(types)} SPEC families exposed"
+              + (f" (no series yet: {', '.join(unseen)})" if unseen else ""))
+    finally:
+        for name, p in reversed(procs):
+            if p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+        if errors or sys.exc_info()[0]:
+            for f in ("rootrank.log", "etcd.log"):
+                path = os.path.join(tmp, f)
+                if os.path.exists(path):
+                    tail = open(path, errors="replace").read().splitlines()[-8:]
+                    LOG_TAILS.append(f"--- last lines of {f}:\n" + "\n".join(tail))
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def main(argv):
     cmds = {"dashboard-lint": cmd_dashboard_lint, "promql-metrics": cmd_promql_metrics,
-            "dashboard-rules": cmd_dashboard_rules, "prom-wiring": cmd_prom_wiring}
+            "dashboard-rules": cmd_dashboard_rules, "prom-wiring": cmd_prom_wiring,
+            "coordinator-smoke": cmd_coordinator_smoke}
     if len(argv) < 2 or argv[1] not in cmds:
         print(__doc__, file=sys.stderr)
         return 2
@@ -350,6 +511,7 @@ def main(argv):
         cmds[argv[1]](*argv[2:])
     except Fail as e:
         print(f"{argv[1]}: FAILED\n{e}", file=sys.stderr)
+        print("\n".join(LOG_TAILS), file=sys.stderr, end="\n" if LOG_TAILS else "")
         return 1
     except (OSError, ValueError, yaml.YAMLError, TypeError) as e:
         print(f"{argv[1]}: FAILED: {type(e).__name__}: {e}", file=sys.stderr)
