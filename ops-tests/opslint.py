@@ -249,7 +249,7 @@ def cmd_dashboard_lint(dash_path, schema_version):
     if errors:
         raise Fail("\n".join(errors))
     n = sum(1 for _ in dashboard_targets(dash))
-    print(f"dashboard-lint: {len(ids)} panels, {n} targets, schemaVersion {schema_version}, datasource ${{datasource}}")
+    print(f"{len(ids)} panels, {n} targets, schemaVersion {schema_version}, datasource ${{datasource}}")
 
 
 def cmd_promql_metrics(spec_path, dash_path, alerts_path):
@@ -283,7 +283,7 @@ def cmd_promql_metrics(spec_path, dash_path, alerts_path):
             errors.append(f"SPEC metric {name} is on no dashboard panel")
     if errors:
         raise Fail("\n".join(errors))
-    print(f"promql-metrics: {n} expressions use only SPEC section 8 metrics and labels "
+    print(f"{n} expressions use only SPEC section 8 metrics and labels "
           f"({len(spec)} metrics in SPEC, all charted; histograms via {sorted(hist)})")
 
 
@@ -294,7 +294,7 @@ def cmd_dashboard_rules(dash_path, out_path):
         rules.append({"record": f"ops_check:panel_{p.get('id')}_{t.get('refId')}",
                       "expr": grafana_to_promql(t.get("expr", ""))})
     json.dump({"groups": [{"name": "dashboard-expressions", "rules": rules}]}, open(out_path, "w"), indent=1)
-    print(f"dashboard-rules: {len(rules)} expressions written to {out_path}")
+    print(f"{len(rules)} expressions written to {out_path}")
 
 
 def cmd_prom_wiring(compose_config, mirror):
@@ -353,7 +353,7 @@ def cmd_prom_wiring(compose_config, mirror):
                 errors.append(f"compose: grafana dashboard {t} is under no provider path {paths}")
     if errors:
         raise Fail("\n".join(errors))
-    print(f"prom-wiring: prometheus mounts mirrored into {mirror}; job rootrank -> rootrank service; grafana provider paths {paths if g else '-'}")
+    print(f"prometheus mounts mirrored into {mirror}; job rootrank -> rootrank service; grafana provider paths {paths if g else '-'}")
 
 
 def dockerfile_instructions(path):
@@ -479,7 +479,7 @@ def cmd_coordinator_smoke(dockerfile, binary, spec_path):
         if errors:
             raise Fail("\n".join(errors))
         unseen = sorted(set(spec) - set(types))
-        print(f"coordinator-smoke: {' '.join(['rootrank'] + argv[1:])} with etcd: HEALTHCHECK ok, /readyz 200, "
+        print(f"{' '.join(['rootrank'] + argv[1:])} with etcd: HEALTHCHECK ok, /readyz 200, "
               f"/metrics passes promtool, {len(types)} SPEC families exposed"
               + (f" (no series yet: {', '.join(unseen)})" if unseen else ""))
     finally:
