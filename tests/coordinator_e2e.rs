@@ -370,6 +370,17 @@ async fn metrics_pass_promtool() {
     rs[0].fail(1, "local", "nixl_error", "x").unwrap();
     rs[0].flush().unwrap();
     resolved(&coord, 1).await;
+    // A long poll is timed under its own route label, so it does not skew verdict latency.
+    let (s, _) = coord.get("/v1/rooms/1/verdict?wait_ms=50").await.unwrap();
+    assert_eq!(s, 200);
+    // A rank that shut down cleanly is no outage: it has no rank_up series.
+    rs[1].exit().unwrap();
+    eventually(T, "rank 1 shut down", || async {
+        let (_, g) = coord.get("/v1/groups/prefill-6").await.ok()?;
+        (g["ranks"][1]["state"] == "shutdown").then_some(())
+    })
+    .await
+    .unwrap();
     let (_, m) = coord.get("/metrics").await.unwrap();
     let text = m.as_str().unwrap().to_string();
     for name in [
@@ -386,6 +397,15 @@ async fn metrics_pass_promtool() {
         assert!(text.contains(name), "missing {name} in\n{text}");
     }
     assert!(!text.contains("room=\""), "no room id ever becomes a label");
+    assert!(text.contains("route=\"/v1/rooms/{room}/verdict (wait_ms)\""), "{text}");
+    assert!(
+        text.contains("rootrank_rank_up{group=\"prefill-6\",rank=\"0\"} 1"),
+        "{text}"
+    );
+    assert!(
+        !text.contains("rootrank_rank_up{group=\"prefill-6\",rank=\"1\"}"),
+        "{text}"
+    );
     let mut child = std::process::Command::new("promtool")
         .args(["check", "metrics"])
         .stdin(std::process::Stdio::piped())

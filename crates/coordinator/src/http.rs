@@ -79,26 +79,31 @@ impl IntoResponse for ApiError {
 /// oversized URIs before any handler sees them.
 async fn observe(State(shared): State<Arc<Shared>>, req: Request, next: Next) -> Response {
     let start = Instant::now();
-    let route = req
+    let mut route = req
         .extensions()
         .get::<MatchedPath>()
         .map_or("unmatched", |p| p.as_str())
         .to_string();
+    // Long polls wait on purpose: keep them out of the verdict route's latency.
+    let long_poll = req.uri().query().is_some_and(|q| {
+        q.split('&').any(|kv| {
+            kv.strip_prefix("wait_ms=")
+                .is_some_and(|v| !v.trim_start_matches('0').is_empty())
+        })
+    });
+    if long_poll {
+        route.push_str(" (wait_ms)");
+    }
     let uri_len = req.uri().path_and_query().map_or(0, |p| p.as_str().len());
     let resp = if uri_len > MAX_URI_BYTES {
         ApiError::bad("request_too_large", format!("request URI over {MAX_URI_BYTES} bytes")).into_response()
     } else {
         next.run(req).await
     };
-    let route = if route == "unmatched" {
-        "unmatched"
-    } else {
-        route.as_str()
-    };
     shared
         .metrics
         .http_duration
-        .with_label_values(&[route, resp.status().as_str()])
+        .with_label_values(&[&route, resp.status().as_str()])
         .observe(start.elapsed().as_secs_f64());
     resp
 }

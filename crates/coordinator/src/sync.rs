@@ -98,9 +98,13 @@ async fn load(
         *idx = fresh;
         prev
     };
-    // Counters count what this process has not counted yet; a reload after compaction
-    // re-reads records it already counted.
-    let outputs: Vec<Output> = outputs.into_iter().filter(|o| output_revision(o) > previous).collect();
+    // Counters count what happens while this process watches: a snapshot re-reads the
+    // retention window, and counting it again would make `increase()` spike after every
+    // restart. Only malformed values are counted (once per process), so they are seen.
+    let outputs: Vec<Output> = outputs
+        .into_iter()
+        .filter(|o| matches!(o, Output::Invalid { .. }) && (previous == 0 || output_revision(o) > previous))
+        .collect();
     handle_outputs(shared, outputs, cert_tx, logged, false);
     shared.ready.store(true, Ordering::SeqCst);
     shared.revision_tx.send_replace(revision);

@@ -140,23 +140,22 @@ impl Index {
             .collect()
     }
 
-    /// Every known rank with whether it is live now (`rootrank_rank_up`).
+    /// Ranks that are up (`true`) or down (`false`), for `rootrank_rank_up`. Ranks that shut
+    /// down cleanly or never registered have no series: a drained group is not an outage.
     pub fn rank_liveness(&self) -> Vec<(GroupId, Rank, bool)> {
-        self.ranks
-            .iter()
-            .map(|((g, r), s)| {
-                (
-                    g.clone(),
-                    *r,
-                    s.live.is_some()
-                        && !self.deaths.contains_key(&(
-                            g.clone(),
-                            *r,
-                            s.live.as_ref().map_or(Incarnation::MIN, |l| l.incarnation),
-                        )),
-                )
-            })
-            .collect()
+        let mut out = Vec::new();
+        for g in self.groups.keys() {
+            if let Some(view) = self.group(g) {
+                for r in view.ranks {
+                    match r.state {
+                        RankStateKind::Live => out.push((g.clone(), r.rank, true)),
+                        RankStateKind::Down => out.push((g.clone(), r.rank, false)),
+                        RankStateKind::Shutdown | RankStateKind::Missing => {}
+                    }
+                }
+            }
+        }
+        out
     }
 
     /// Recent root causes, newest first (`GET /v1/failures`).
