@@ -1,6 +1,7 @@
 //! `rootrank`: names the tensor-parallel rank that really failed a PD-disaggregation transfer.
 //! The binary is a thin edge: flags and environment in, one library call per subcommand.
 
+#![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
 mod cmd;
 
 use std::process::ExitCode;

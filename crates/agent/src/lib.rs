@@ -12,6 +12,7 @@
 //! - etcd errors are retried with backoff; a record stays at the head of the queue until it
 //!   is written, so an etcd restart loses nothing that fit in the queue.
 
+#![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
 mod worker;
 
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};

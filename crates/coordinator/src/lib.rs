@@ -8,6 +8,7 @@
 //!
 //! Nothing lives only in memory: a restarted coordinator rebuilds the same index from etcd.
 
+#![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
 pub mod http;
 pub mod metrics;
 pub mod presence;

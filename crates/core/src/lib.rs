@@ -13,6 +13,7 @@
 //! - [`verdict`]: the verdict rules and the Verdict JSON.
 //! - [`time`]: RFC 3339 with milliseconds, both directions, without a clock.
 
+#![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
 pub mod ids;
 pub mod index;
 pub mod keys;

@@ -11,6 +11,7 @@
 //! - [`Backoff`]: retry pacing shared by every loop that talks to etcd.
 //! - [`embedded`]: a private etcd process, for `rootrank serve` on one machine and for tests.
 
+#![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
 pub mod embedded;
 
 use std::time::{Duration, Instant};

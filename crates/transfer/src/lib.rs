@@ -20,6 +20,7 @@
 //! [`TransferAgent::local_metadata`] and [`RemoteRegion`]s (serde) wherever
 //! its peers can read them.
 
+#![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
 mod agent;
 mod error;
 mod library;

@@ -23,6 +23,7 @@
 //! Linux only. Pids in kernel OOM lines are init-namespace pids, so
 //! node-watch must share the host pid namespace.
 
+#![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
 pub mod cgroup;
 pub mod classify;
 pub mod error;
