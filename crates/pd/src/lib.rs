@@ -20,11 +20,15 @@ pub use transfer_agent::{NixlRecord, PdAgent, PeerRef, NIXL_SUFFIX};
 
 pub use rootrank_transfer::{NixlLibrary, TransferError, NIXL_DIR_ENV};
 
-/// Loads NIXL for a rootrank process. When `dir` is given (a flag, or `ROOTRANK_NIXL_DIR`
-/// passed in by the caller) only that directory is searched: an operator who names a
-/// directory means it, and a silent fallback to some `.cache/nixl` would hide the mistake.
+/// Loads NIXL for a rootrank process. When a directory is named (`dir`, else a non-empty
+/// `ROOTRANK_NIXL_DIR`) only that directory is searched: an operator who names a directory
+/// means it, and a silent fallback to some `.cache/nixl` would hide the mistake. With neither,
+/// the transfer crate's discovery applies (`<ancestor>/.cache/nixl` of the binary and cwd).
 pub fn load_nixl(dir: Option<&std::path::Path>) -> Result<NixlLibrary, TransferError> {
-    NixlLibrary::load(dir)
+    let from_env = std::env::var_os(NIXL_DIR_ENV)
+        .filter(|v| !v.is_empty())
+        .map(std::path::PathBuf::from);
+    NixlLibrary::load(dir.or(from_env.as_deref()))
 }
 
 /// 64 random bits from the kernel (getrandom(2)); falls back to a time-and-pid hash if the

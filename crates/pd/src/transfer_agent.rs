@@ -57,8 +57,11 @@ impl PeerRef {
 #[derive(Debug)]
 struct LoadedPeer {
     agent: String,
-    /// The etcd mod revision of the record we loaded: a restarted peer writes a new one.
+    /// The etcd mod revision of the record we loaded. It also changes when the same process
+    /// re-puts the same record (the agent re-attaches it after re-registering), so what tells
+    /// a restart is the agent name or the metadata, not the revision.
     mod_revision: i64,
+    metadata_hex: String,
     regions: Vec<RemoteRegion>,
     endpoint: Option<String>,
     /// Set after a failed transfer: re-read the record before the next one.
@@ -250,9 +253,9 @@ impl PdAgent {
     /// transfer). Returns whether NIXL now holds different metadata. A vanished record (the
     /// peer's lease expired) leaves the old metadata in place: a write will fail and say so.
     pub fn refresh_peer(&mut self, peer: &PeerRef) -> Result<bool, PdError> {
-        let current = self.peers.get(peer).map(|p| p.mod_revision);
+        let current = self.peers.get(peer).map(|p| (p.agent.clone(), p.metadata_hex.clone()));
         match self.read_record(peer)? {
-            Some((record, rev)) if Some(rev) != current => {
+            Some((record, rev)) if current.as_ref() != Some(&(record.agent.clone(), record.metadata_hex.clone())) => {
                 self.load(peer, record, rev)?;
                 Ok(true)
             }
@@ -266,8 +269,9 @@ impl PdAgent {
     }
 
     fn load(&mut self, peer: &PeerRef, record: NixlRecord, mod_revision: i64) -> Result<(), PdError> {
-        if let Some(p) = self.peers.get(peer) {
-            if p.mod_revision == mod_revision {
+        if let Some(p) = self.peers.get_mut(peer) {
+            if p.agent == record.agent && p.metadata_hex == record.metadata_hex {
+                p.mod_revision = mod_revision;
                 return Ok(());
             }
         }
@@ -305,6 +309,7 @@ impl PdAgent {
             LoadedPeer {
                 agent: loaded,
                 mod_revision,
+                metadata_hex: record.metadata_hex,
                 regions: record.regions,
                 endpoint,
                 stale: false,
@@ -436,21 +441,26 @@ impl PdAgent {
     /// Whether etcd shows the peer we loaded is gone: its NIXL record vanished (lease
     /// expired) or names another agent (it restarted).
     fn peer_gone(&mut self, peer: &PeerRef) -> bool {
-        let loaded = self.peers.get(peer).map(|p| (p.agent.clone(), p.mod_revision));
+        let loaded = self.peers.get(peer).map(|p| p.agent.clone());
         match (self.read_record(peer), loaded) {
             (Ok(None), Some(_)) => true,
-            (Ok(Some((rec, rev))), Some((agent, loaded_rev))) => rec.agent != agent || rev != loaded_rev,
+            (Ok(Some((rec, _))), Some(agent)) => rec.agent != agent,
             _ => false,
         }
     }
 
     fn record(&mut self, room: u64, peer: &PeerRef, error: TransferError) -> Box<RoomTransferError> {
         let reason = error.reason();
-        let status = error.nixl_status().unwrap_or("no NIXL status");
+        let status = error.nixl_status().unwrap_or("");
         let info = self.peer_info(peer);
         // SGLang's own text first (what operators grep for), then what rootrank adds.
         let detail = format!(
-            "NIXL transfer encountered ERR room={room}: [{status}] to {} rank {} (agent {}): {error}",
+            "NIXL transfer encountered ERR room={room}: {}to {} rank {} (agent {}): {error}",
+            if status.is_empty() {
+                String::new()
+            } else {
+                format!("[{status}] ")
+            },
             peer.group,
             peer.rank,
             info.agent.as_deref().unwrap_or("unknown"),

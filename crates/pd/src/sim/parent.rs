@@ -464,8 +464,13 @@ pub async fn run(
         // Issue rooms that are due.
         while (config.rooms == 0 || issued < config.rooms) && now >= next_issue {
             let idx = issued;
-            let room = crate::random_room();
             let faults: Vec<Fault> = config.faults.iter().copied().filter(|f| f.at_room == idx).collect();
+            // A fault "at room K" must hit room K, not a room the ranks are still busy with:
+            // let every earlier room finish first (the ranks work through rooms in order).
+            if !faults.is_empty() && !rounds.is_empty() {
+                break;
+            }
+            let room = crate::random_room();
             for f in &faults {
                 match f.kind {
                     FaultKind::KillPrefill => {
@@ -519,7 +524,7 @@ pub async fn run(
                 },
             );
             issued += 1;
-            next_issue += period;
+            next_issue = (next_issue + period).max(now); // no burst after a pause
         }
 
         // Resolve all-reduce rounds: every rank contributed or is dead, or the timeout passed
