@@ -60,6 +60,9 @@ pub struct SimulateArgs {
     /// Prefill rank R's transfer fails inside NIXL (a WRITE to unregistered memory).
     #[arg(long, value_name = "R[@K]")]
     pub fail_transfer_rank: Vec<String>,
+    /// The launcher SIGKILLs decode rank R and starts it again (new NIXL agent).
+    #[arg(long, value_name = "R[@K]")]
+    pub restart_decode_rank: Vec<String>,
     /// Room index for faults given without @K.
     #[arg(long, default_value_t = 2)]
     pub at_room: u64,
@@ -81,6 +84,7 @@ pub fn parse_faults(a: &SimulateArgs) -> anyhow::Result<Vec<Fault>> {
         (FaultKind::KillDecode, &a.kill_decode_rank),
         (FaultKind::StopDecode, &a.stop_decode_rank),
         (FaultKind::FailTransfer, &a.fail_transfer_rank),
+        (FaultKind::RestartDecode, &a.restart_decode_rank),
     ] {
         for s in specs {
             let (r, k) = match s.split_once('@') {

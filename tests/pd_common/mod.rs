@@ -66,7 +66,7 @@ pub async fn simulate(etcd: &str, log_dir: &Path, args: &[&str]) -> Run {
         .args(args)
         .current_dir(repo_root())
         .env_remove("ROOTRANK_NIXL_DIR")
-        .env("ROOTRANK_LOG", "warn")
+        .env("ROOTRANK_LOG", "info")
         .kill_on_drop(true)
         .output()
         .await

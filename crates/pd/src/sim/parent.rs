@@ -35,6 +35,9 @@ pub enum FaultKind {
     StopDecode,
     /// The prefill rank's WRITE targets memory the decode peer never registered: NIXL fails it.
     FailTransfer,
+    /// The launcher SIGKILLs a decode rank and starts it again (new NIXL agent, new metadata)
+    /// before the room; the prefill side must load the new metadata from etcd.
+    RestartDecode,
 }
 
 /// How a simulation runs.
@@ -265,6 +268,7 @@ pub async fn run(
     let mut etcd = rootrank_store::connect(&config.etcd_endpoints).await?;
 
     let mut children = Children { procs: Vec::new() };
+    let mut rank_opts: HashMap<(Role, u32), RankOpts> = HashMap::new();
     for (role, group, peer_group) in [
         (Role::Decode, &config.decode_group, &config.prefill_group),
         (Role::Prefill, &config.prefill_group, &config.decode_group),
@@ -290,6 +294,7 @@ pub async fn run(
             };
             let child = spawn_rank(&config, &opts)?;
             children.procs.push((role, rank, child));
+            rank_opts.insert((role, rank), opts);
         }
     }
 
@@ -396,6 +401,10 @@ pub async fn run(
     let finalize_after = Duration::from_millis(config.verdict_wait_ms + config.transfer_timeout_ms + 5_000);
     let mut tick = tokio::time::interval(Duration::from_millis(2));
     let mut stopped_early = false;
+    // A rank being restarted: rooms wait until it says hello again.
+    let mut restarting: Option<(Role, u32)> = None;
+    let mut restart_deadline = Instant::now();
+    let mut faults_applied: Option<u64> = None;
     let prefix = config.prefix.trim_end_matches('/').to_string();
 
     loop {
@@ -410,6 +419,19 @@ pub async fn run(
                 }
                 Ev::Measured(what, ms) => measurements.push(Measurement { what, ms }),
                 Ev::Line(id, line) => {
+                    if let ["hello", role, rank, pid] = line.split_whitespace().collect::<Vec<_>>().as_slice() {
+                        // A restarted rank.
+                        let role = if *role == "prefill" { Role::Prefill } else { Role::Decode };
+                        if let (Ok(rank), Ok(pid)) = (rank.parse::<u32>(), pid.parse::<u32>()) {
+                            who.insert(id, (role, rank));
+                            conn_of.insert((role, rank), id);
+                            pids.insert((role, rank), pid);
+                            if restarting == Some((role, rank)) {
+                                restarting = None;
+                            }
+                        }
+                        continue;
+                    }
                     let Some((role, rank)) = who.get(&id).copied() else { continue };
                     let (verb, rest) = line.split_once(' ').unwrap_or((line.as_str(), ""));
                     match (role, verb) {
@@ -467,8 +489,26 @@ pub async fn run(
             let faults: Vec<Fault> = config.faults.iter().copied().filter(|f| f.at_room == idx).collect();
             // A fault "at room K" must hit room K, not a room the ranks are still busy with:
             // let every earlier room finish first (the ranks work through rooms in order).
-            if !faults.is_empty() && !rounds.is_empty() {
+            if (!faults.is_empty() && !rounds.is_empty()) || restarting.is_some() {
                 break;
+            }
+            if faults_applied != Some(idx) {
+                faults_applied = Some(idx);
+                if let Some(f) = faults.iter().find(|f| f.kind == FaultKind::RestartDecode) {
+                    if let (Some(child), Some(opts)) = (
+                        children.get(Role::Decode, f.rank),
+                        rank_opts.get(&(Role::Decode, f.rank)),
+                    ) {
+                        let _ = child.kill();
+                        let _ = child.wait();
+                        let fresh = spawn_rank(&config, opts)?;
+                        *child = fresh;
+                        warn!(idx, rank = f.rank, "injected: decode rank SIGKILLed and started again");
+                        restarting = Some((Role::Decode, f.rank));
+                        restart_deadline = now + Duration::from_secs(60);
+                        break;
+                    }
+                }
             }
             let room = crate::random_room();
             for f in &faults {
@@ -492,7 +532,7 @@ pub async fn run(
                             );
                         }
                     }
-                    FaultKind::KillDecode | FaultKind::FailTransfer => {}
+                    FaultKind::KillDecode | FaultKind::FailTransfer | FaultKind::RestartDecode => {}
                 }
             }
             for rank in 0..config.ranks {
@@ -525,6 +565,13 @@ pub async fn run(
             );
             issued += 1;
             next_issue = (next_issue + period).max(now); // no burst after a pause
+        }
+
+        if restarting.is_some() && now > restart_deadline {
+            return Err(PdError::Sim(format!(
+                "a restarted rank ({restarting:?}) did not come back within 60 s; logs in {}",
+                config.log_dir.display()
+            )));
         }
 
         // Resolve all-reduce rounds: every rank contributed or is dead, or the timeout passed

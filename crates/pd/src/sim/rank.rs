@@ -172,6 +172,16 @@ fn prefill_room(
             pattern::fill(&mut src[start..start + block], room, opts.rank, c);
         }
     }
+    // Per room, as SGLang's decode side re-registers with the bootstrap server per request:
+    // pick up a restarted peer's new metadata before writing (one etcd read).
+    match agent.refresh_peer(peer) {
+        Ok(true) => info!(
+            peer_rank = peer.rank,
+            "decode peer changed (restarted?); loaded its new metadata"
+        ),
+        Ok(false) => {}
+        Err(e) => warn!(error = %e, "could not refresh the decode peer's metadata"),
+    }
     let timeout = Duration::from_millis(opts.transfer_timeout_ms);
     let slot_base = (idx % u64::from(opts.slots.max(1))) * (block as u64) * u64::from(chunks);
     let mut failure = None;
