@@ -10,6 +10,7 @@ use anyhow::{bail, Context};
 use rootrank_coordinator::CoordinatorConfig;
 use rootrank_core::IndexConfig;
 use rootrank_pd::sim::parent::{Fault, FaultKind, RoomSummary, SimConfig};
+use rootrank_pd::sim::rank::culprit_error;
 use rootrank_store::embedded::{EmbeddedEtcd, EtcdOptions};
 use serde_json::Value;
 
@@ -154,16 +155,17 @@ async fn story(
             continue;
         };
         println!("\n-- room {} ({title}, prefill rank {rank}) --", room.room);
-        if let Some(g) = room
-            .reports
-            .iter()
-            .find_map(|r| r.generic.as_ref().map(|g| (r.rank, g)))
-        {
+        if let Some(r) = room.reports.iter().find(|r| r.generic.is_some()) {
             println!(
                 "What a survivor (rank {}) hits without rootrank, as SGLang logs it:",
-                g.0
+                r.rank
             );
-            println!("  {}", g.1);
+            println!("  {}", r.generic.as_deref().unwrap_or(""));
+            let room_id: u64 = room.room.parse().unwrap_or(0);
+            if let Some(with) = r.verdict.as_ref().and_then(|v| culprit_error(room_id, v)) {
+                println!("What it raises instead, having asked the coordinator where SGLang raises the generic error:");
+                println!("  {with}");
+            }
         }
         if let Some(own) = room.reports.iter().find_map(|r| r.error.as_ref().map(|e| (r.rank, e))) {
             println!(

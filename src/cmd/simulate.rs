@@ -184,6 +184,24 @@ pub fn final_summary(r: &SimReport) -> String {
     for (c, n) in culprits {
         out.push_str(&format!("  culprit {c}: {n} room(s)\n"));
     }
+    // Time inside NIXL WRITEs (post to completion) of the shards that arrived.
+    let times: Vec<u64> = r
+        .rooms
+        .iter()
+        .flat_map(|room| room.reports.iter())
+        .filter(|rep| rep.own == rootrank_pd::sim::kvpoll::SUCCESS)
+        .filter_map(|rep| rep.transfer_us)
+        .collect();
+    if !times.is_empty() {
+        let mean_us = times.iter().sum::<u64>() as f64 / times.len() as f64;
+        let mib = r.shard_bytes as f64 / (1024.0 * 1024.0);
+        out.push_str(&format!(
+            "  transfers: {} shards of {} bytes, mean {mean_us:.0} us in NIXL per shard ({:.0} MiB/s per rank)\n",
+            times.len(),
+            r.shard_bytes,
+            if mean_us > 0.0 { mib / (mean_us / 1e6) } else { 0.0 }
+        ));
+    }
     for m in &r.measurements {
         out.push_str(&format!("  measured: {}: {:.1} ms\n", m.what, m.ms));
     }

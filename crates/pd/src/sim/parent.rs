@@ -133,6 +133,8 @@ pub struct SimReport {
     pub measurements: Vec<Measurement>,
     pub log_dir: PathBuf,
     pub stopped_early: bool,
+    /// Bytes each prefill rank WRITEs per room (block size x chunks).
+    pub shard_bytes: u64,
     /// Prefill and decode pids, by rank.
     pub prefill_pids: Vec<u32>,
     pub decode_pids: Vec<u32>,
@@ -667,6 +669,7 @@ pub async fn run(
         measurements,
         log_dir: config.log_dir.clone(),
         stopped_early,
+        shard_bytes: (config.block_size * config.chunks.max(1) as usize) as u64,
         prefill_pids: pid_list(Role::Prefill),
         decode_pids: pid_list(Role::Decode),
     })

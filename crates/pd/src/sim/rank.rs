@@ -308,21 +308,27 @@ fn prefill_room(
 }
 
 /// What the rank raises instead of the generic error: the culprit the coordinator names.
-fn log_culprit(room: u64, v: &serde_json::Value) {
+/// `None` when the verdict is not resolved (the rank then keeps the generic error).
+pub fn culprit_error(room: u64, v: &serde_json::Value) -> Option<String> {
     let s = |x: &serde_json::Value| x.as_str().map(str::to_string).unwrap_or_else(|| x.to_string());
-    match v["culprit"].as_object() {
-        Some(c) if v["status"] == "resolved" => error!(
-            "KVTransferError(bootstrap_room={room}): failed at {} rank {}: {} ({}): {}",
-            s(&c["group"]),
-            s(&c["rank"]),
-            s(&c["reason"]),
-            s(&c["source"]),
-            c.get("detail").and_then(|d| d.as_str()).unwrap_or("")
-        ),
-        _ => warn!(
+    let c = v["culprit"].as_object().filter(|_| v["status"] == "resolved")?;
+    Some(format!(
+        "KVTransferError(bootstrap_room={room}): failed at {} rank {}: {} ({}): {}",
+        s(&c["group"]),
+        s(&c["rank"]),
+        s(&c["reason"]),
+        s(&c["source"]),
+        c.get("detail").and_then(|d| d.as_str()).unwrap_or("")
+    ))
+}
+
+fn log_culprit(room: u64, v: &serde_json::Value) {
+    match culprit_error(room, v) {
+        Some(text) => error!("{text}"),
+        None => warn!(
             "KVTransferError(bootstrap_room={room}): rootrank verdict {}: {}",
-            s(&v["status"]),
-            s(&v["explain"])
+            v["status"].as_str().unwrap_or("?"),
+            v["explain"].as_str().unwrap_or("")
         ),
     }
 }
