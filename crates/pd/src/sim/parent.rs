@@ -84,6 +84,8 @@ pub struct RoomSummary {
     /// Decode ranks' checks of the KV shards: (source rank, intact).
     pub decode_checks: Vec<(u32, bool)>,
     pub faults: Vec<Fault>,
+    /// From the router issuing the room to the room being over (queueing included).
+    pub latency_ms: Option<f64>,
     pub reports: Vec<RankRoomReport>,
 }
 
@@ -583,15 +585,9 @@ pub async fn run(
                 continue;
             }
             let all_in = (0..config.ranks).all(|k| r.contrib.contains_key(&k) || dead_prefill.contains(&k));
-            let started = r.first_at.or(r.issued_at).unwrap_or(now);
-            let timed_out = match r.first_at {
-                Some(f) => now >= f + reduce_timeout,
-                None => {
-                    now >= started
-                        + reduce_timeout
-                        + Duration::from_millis(config.transfer_timeout_ms * u64::from(config.chunks.max(1)))
-                }
-            };
+            // As in gloo, the timeout runs from when a rank enters the collective: a room still
+            // queued behind earlier ones (no contribution yet) is late, not failed.
+            let timed_out = r.first_at.is_some_and(|f| now >= f + reduce_timeout);
             if all_in || timed_out {
                 let missing = (0..config.ranks).any(|k| !r.contrib.contains_key(&k));
                 let min = if missing {
@@ -725,6 +721,7 @@ fn summarize(idx: u64, r: Round, force: &'static str, killed_at: Option<i64>, m:
         local_failures,
         decode_checks: r.decode.into_iter().collect(),
         faults: r.faults,
+        latency_ms: r.issued_at.map(|t| t.elapsed().as_secs_f64() * 1000.0),
         reports: r.dones.into_values().collect(),
     }
 }
