@@ -120,3 +120,34 @@ pub fn processes_mentioning(needle: &str) -> Vec<String> {
     }
     out
 }
+
+/// Whether `pid` is a live process (a zombie or a vanished pid is not).
+pub fn alive(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // The state follows the parenthesised command name.
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().next())
+            .is_some_and(|state| state != "Z" && state != "X"),
+        Err(_) => false,
+    }
+}
+
+/// The pids in the live records of `group` (ranks register with their pids).
+pub async fn live_pids(etcd: &str, group: &str) -> Vec<u32> {
+    let mut c = rootrank_store::connect(&[etcd.to_string()]).await.expect("etcd client");
+    let prefix = format!("/rootrank/v1/groups/{group}/ranks/");
+    let resp = c
+        .get(
+            prefix,
+            Some(rootrank_store::etcd_client::GetOptions::new().with_prefix()),
+        )
+        .await
+        .expect("etcd get");
+    resp.kvs()
+        .iter()
+        .filter(|kv| kv.key_str().is_ok_and(|k| k.ends_with("/live")))
+        .filter_map(|kv| serde_json::from_slice::<Value>(kv.value()).ok())
+        .filter_map(|v| v["pid"].as_u64().and_then(|p| u32::try_from(p).ok()))
+        .collect()
+}
