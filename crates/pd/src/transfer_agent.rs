@@ -80,6 +80,9 @@ pub struct PdAgent {
     keys: Keys,
     group: String,
     rank: u32,
+    /// Until when etcd reads are skipped after one failed: transfers must not wait on an
+    /// unreachable etcd (the agent's rule: never block the host).
+    etcd_quiet_until: Option<Instant>,
     // A private runtime for the few etcd reads (peer metadata): the rank's own code is
     // synchronous, like a scheduler loop; NIXL calls are blocking.
     rt: tokio::runtime::Runtime,
@@ -96,7 +99,9 @@ impl std::fmt::Debug for PdAgent {
 }
 
 /// How long one etcd read may take before the caller sees an error.
-const ETCD_READ_TIMEOUT: Duration = Duration::from_secs(3);
+const ETCD_READ_TIMEOUT: Duration = Duration::from_secs(1);
+/// How long refreshes and disconnect checks skip etcd after a failed read.
+const ETCD_QUIET: Duration = Duration::from_secs(5);
 
 impl PdAgent {
     /// Creates the NIXL agent, registers one DRAM region per entry of `region_sizes`, starts
@@ -157,6 +162,7 @@ impl PdAgent {
             keys,
             group,
             rank,
+            etcd_quiet_until: None,
             rt,
         })
     }
@@ -200,14 +206,25 @@ impl PdAgent {
         let group = rootrank_core::GroupId::new(&peer.group).map_err(|e| PdError::Sim(e.to_string()))?;
         let key = self.keys.nixl(&group, peer.rank);
         let mut etcd = self.etcd.clone();
-        let resp = self
+        let read = self
             .rt
-            .block_on(async { tokio::time::timeout(ETCD_READ_TIMEOUT, etcd.get(key.as_str(), None)).await })
-            .map_err(|_| {
-                PdError::Sim(format!(
+            .block_on(async { tokio::time::timeout(ETCD_READ_TIMEOUT, etcd.get(key.as_str(), None)).await });
+        let resp = match read {
+            Ok(Ok(resp)) => {
+                self.etcd_quiet_until = None;
+                resp
+            }
+            Ok(Err(e)) => {
+                self.etcd_quiet_until = Some(Instant::now() + ETCD_QUIET);
+                return Err(e.into());
+            }
+            Err(_) => {
+                self.etcd_quiet_until = Some(Instant::now() + ETCD_QUIET);
+                return Err(PdError::Sim(format!(
                     "etcd did not answer a read of {key} within {ETCD_READ_TIMEOUT:?}"
-                ))
-            })??;
+                )));
+            }
+        };
         let Some(kv) = resp.kvs().first() else {
             return Ok(None);
         };
@@ -252,7 +269,13 @@ impl PdAgent {
     /// Re-reads `peer`'s record and reloads it if it changed (or was marked stale by a failed
     /// transfer). Returns whether NIXL now holds different metadata. A vanished record (the
     /// peer's lease expired) leaves the old metadata in place: a write will fail and say so.
+    ///
+    /// Within a few seconds of a failed etcd read this returns `Ok(false)` at once, so a
+    /// transfer path that refreshes before every room is not slowed by an etcd outage.
     pub fn refresh_peer(&mut self, peer: &PeerRef) -> Result<bool, PdError> {
+        if self.etcd_quiet() {
+            return Ok(false);
+        }
         let current = self.peers.get(peer).map(|p| (p.agent.clone(), p.metadata_hex.clone()));
         match self.read_record(peer)? {
             Some((record, rev)) if current.as_ref() != Some(&(record.agent.clone(), record.metadata_hex.clone())) => {
@@ -441,12 +464,19 @@ impl PdAgent {
     /// Whether etcd shows the peer we loaded is gone: its NIXL record vanished (lease
     /// expired) or names another agent (it restarted).
     fn peer_gone(&mut self, peer: &PeerRef) -> bool {
+        if self.etcd_quiet() {
+            return false; // no evidence either way: keep NIXL's own reason
+        }
         let loaded = self.peers.get(peer).map(|p| p.agent.clone());
         match (self.read_record(peer), loaded) {
             (Ok(None), Some(_)) => true,
             (Ok(Some((rec, _))), Some(agent)) => rec.agent != agent,
             _ => false,
         }
+    }
+
+    fn etcd_quiet(&self) -> bool {
+        self.etcd_quiet_until.is_some_and(|t| Instant::now() < t)
     }
 
     fn record(&mut self, room: u64, peer: &PeerRef, error: TransferError) -> Box<RoomTransferError> {
