@@ -627,7 +627,14 @@ pub async fn run(
             .collect();
         for idx in done_idx {
             let Some(r) = rounds.remove(&idx) else { continue };
-            let summary = summarize(idx, r, "", prefill_killed_at.get(&idx).copied(), &mut measurements);
+            let summary = summarize(
+                &config.prefill_group,
+                idx,
+                r,
+                "",
+                prefill_killed_at.get(&idx).copied(),
+                &mut measurements,
+            );
             on_room(&summary);
             finished.push(summary);
         }
@@ -650,7 +657,7 @@ pub async fn run(
     }
     children.kill_all();
     for (idx, r) in std::mem::take(&mut rounds) {
-        let summary = summarize(idx, r, "incomplete", None, &mut measurements);
+        let summary = summarize(&config.prefill_group, idx, r, "incomplete", None, &mut measurements);
         on_room(&summary);
         finished.push(summary);
     }
@@ -671,7 +678,14 @@ pub async fn run(
     })
 }
 
-fn summarize(idx: u64, r: Round, force: &'static str, killed_at: Option<i64>, m: &mut Vec<Measurement>) -> RoomSummary {
+fn summarize(
+    group: &str,
+    idx: u64,
+    r: Round,
+    force: &'static str,
+    killed_at: Option<i64>,
+    m: &mut Vec<Measurement>,
+) -> RoomSummary {
     let reduced = r.resolved.map(|(min, _)| min);
     let status = if !force.is_empty() || reduced.is_none() {
         "incomplete"
@@ -694,7 +708,8 @@ fn summarize(idx: u64, r: Round, force: &'static str, killed_at: Option<i64>, m:
     let any_verdict = r.dones.values().find_map(|d| d.verdict.as_ref());
     let culprit = resolved_verdict.map(|v| v["culprit"].clone()).or_else(|| {
         local_failures.first().map(|(rank, reason)| {
-            serde_json::json!({"group": "(own report)", "rank": rank, "reason": reason, "source": "local"})
+            // No survivor asked (every rank failed itself): the lowest failing rank's own report.
+            serde_json::json!({"group": group, "rank": rank, "reason": reason, "source": "own_report"})
         })
     });
     if let Some(kill_ms) = killed_at {
