@@ -15,8 +15,10 @@ pub struct SimulateArgs {
     /// The coordinator the survivors ask (without it they only log the generic error).
     #[arg(long, env = "ROOTRANK_COORDINATOR")]
     pub coordinator: Option<String>,
+    /// The prefill ranks' group (the ranks that all-reduce together).
     #[arg(long, default_value = "prefill-0")]
     pub prefill_group: String,
+    /// The decode ranks' group (prefill rank r writes into decode rank r).
     #[arg(long, default_value = "decode-0")]
     pub decode_group: String,
     /// Ranks in each group.
@@ -40,6 +42,7 @@ pub struct SimulateArgs {
     /// Liveness lease TTL of every rank (whole seconds, at least 1000).
     #[arg(long, default_value_t = 5_000)]
     pub lease_ttl_ms: u64,
+    /// How long one NIXL WRITE may take before it is a `transfer_timeout`.
     #[arg(long, default_value_t = 2_000)]
     pub transfer_timeout_ms: u64,
     /// How long the all-reduce waits for a silent rank before counting it Failed.
