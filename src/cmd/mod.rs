@@ -2,8 +2,11 @@
 //! 3 verdict pending or unknown.
 
 mod client;
+mod demo;
 mod rank;
 mod serve;
+mod sim_rank;
+mod simulate;
 mod status;
 mod why;
 
@@ -56,6 +59,13 @@ pub enum Command {
     /// trying rootrank by hand). Type `help` for the commands.
     #[command(hide = true)]
     Rank(rank::RankArgs),
+    /// The whole story on one machine (private etcd, coordinator, real NIXL), narrated.
+    Demo(demo::DemoArgs),
+    /// A simulated PD deployment: one process per rank, real NIXL transfers, fault injection.
+    Simulate(Box<simulate::SimulateArgs>),
+    /// One rank of `rootrank simulate` (spawned by it).
+    #[command(hide = true)]
+    SimRank(sim_rank::SimRankArgs),
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
@@ -64,6 +74,9 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Why(a) => why::run(a),
         Command::Status(a) => status::run(a),
         Command::Rank(a) => rank::run(a),
+        Command::Demo(a) => demo::run(a),
+        Command::Simulate(a) => simulate::run(*a),
+        Command::SimRank(a) => sim_rank::run(a),
     }
 }
 

@@ -1,0 +1,68 @@
+//! Typed errors of the embedded transfer agent and the simulator.
+
+use rootrank_agent::AgentError;
+use rootrank_core::Peer;
+use rootrank_store::StoreError;
+use rootrank_transfer::TransferError;
+
+/// What stopped the transfer agent or the simulator; every message says what to check.
+#[derive(Debug, thiserror::Error)]
+pub enum PdError {
+    #[error(transparent)]
+    Transfer(#[from] TransferError),
+    #[error(transparent)]
+    Agent(#[from] AgentError),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("etcd request failed: {0}")]
+    Etcd(#[from] rootrank_store::etcd_client::Error),
+    #[error("could not start a runtime or thread: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("{group} rank {rank} did not register with etcd within {secs} s: is etcd reachable at {endpoints}?")]
+    NotRegistered {
+        group: String,
+        rank: u32,
+        secs: u64,
+        endpoints: String,
+    },
+    #[error("peer {group} rank {rank} published no NIXL metadata at {key} within {waited_ms} ms: is that rank running, with the same --prefix?")]
+    PeerMissing {
+        group: String,
+        rank: u32,
+        key: String,
+        waited_ms: u64,
+    },
+    #[error("peer {group} rank {rank}: unusable NIXL record at {key}: {detail}")]
+    BadPeerRecord {
+        group: String,
+        rank: u32,
+        key: String,
+        detail: String,
+    },
+    #[error("peer {group} rank {rank} has no region {index} (it published {count})")]
+    NoSuchRegion {
+        group: String,
+        rank: u32,
+        index: usize,
+        count: usize,
+    },
+    #[error("simulator: {0}")]
+    Sim(String),
+}
+
+/// A transfer for a room failed. It was recorded as a `local` RoomFailure (unless the
+/// agent's queue refused it, see `recorded`).
+#[derive(Debug, thiserror::Error)]
+#[error("{detail}")]
+pub struct RoomTransferError {
+    pub room: u64,
+    /// The rootrank reason recorded (`nixl_error`, `transfer_timeout`, `peer_disconnect`).
+    pub reason: &'static str,
+    /// The recorded detail: SGLang's text, the NIXL status and the error.
+    pub detail: String,
+    pub peer: Peer,
+    #[source]
+    pub error: TransferError,
+    /// Whether the agent accepted the record (it never blocks; a full queue drops it).
+    pub recorded: bool,
+}

@@ -1,0 +1,19 @@
+//! `rootrank sim-rank` (hidden): one rank process of `rootrank simulate`.
+
+use std::process::ExitCode;
+
+use anyhow::Context;
+use rootrank_pd::sim::RankOpts;
+
+#[derive(clap::Args, Debug)]
+pub struct SimRankArgs {
+    /// The rank's options as JSON (written by `rootrank simulate`).
+    #[arg(long)]
+    pub opts: String,
+}
+
+pub fn run(a: SimRankArgs) -> anyhow::Result<ExitCode> {
+    let opts: RankOpts = serde_json::from_str(&a.opts).context("--opts is not a sim-rank JSON")?;
+    rootrank_pd::sim::rank::run(opts)?;
+    Ok(ExitCode::SUCCESS)
+}
