@@ -63,7 +63,7 @@ pub fn run(a: ServeArgs) -> anyhow::Result<ExitCode> {
             Err(e) => return Err(e).context("starting a private etcd (pass --etcd-endpoints to use yours)"),
         };
         let port = etcd.endpoint().rsplit(':').next().unwrap_or("").to_string();
-        let _ = std::fs::write(dir.join("ports"), format!("{port} {}\n", peer_port_of(&etcd)));
+        let _ = std::fs::write(dir.join("ports"), format!("{port} {}\n", etcd.peer_port()));
         eprintln!(
             "rootrank: no --etcd-endpoints given: started a private etcd (pid {}) at {}, data in {}",
             etcd.pid().unwrap_or(0),
@@ -92,21 +92,7 @@ pub fn run(a: ServeArgs) -> anyhow::Result<ExitCode> {
         config.endpoints.join(",")
     );
     let rt = super::runtime()?;
-    rt.block_on(rootrank_coordinator::run(config, shutdown_signal()))?;
+    rt.block_on(rootrank_coordinator::run(config, super::simulate::shutdown_signal()))?;
     eprintln!("rootrank: coordinator stopped");
     Ok(ExitCode::SUCCESS)
-}
-
-fn peer_port_of(etcd: &EmbeddedEtcd) -> u16 {
-    etcd.peer_port()
-}
-
-async fn shutdown_signal() {
-    use tokio::signal::unix::{signal, SignalKind};
-    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
-        // Without signal handlers, run until killed.
-        std::future::pending::<()>().await;
-        return;
-    };
-    tokio::select! { _ = term.recv() => {}, _ = int.recv() => {} }
 }

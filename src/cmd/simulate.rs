@@ -212,7 +212,8 @@ pub fn final_summary(r: &SimReport) -> String {
     out
 }
 
-/// SIGINT or SIGTERM: the simulation stops its ranks cleanly and reports.
+/// Resolves on SIGTERM or SIGINT (never, if the handlers cannot be installed): `simulate`
+/// then stops its ranks cleanly and reports, `serve` stops serving.
 pub async fn shutdown_signal() {
     use tokio::signal::unix::{signal, SignalKind};
     let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
