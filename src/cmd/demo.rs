@@ -193,7 +193,7 @@ async fn story(
     let after = metrics(http, url).await?;
     println!(
         "\nMetrics that moved (GET /metrics before and after, rootrank_* lines, histogram buckets left out; \
-         the ranks have exited cleanly by now, hence rank_up 0):"
+         ranks that exited cleanly have no rank_up series; the killed one reads 0):"
     );
     for (k, v) in &after {
         let old = before.get(k).map(String::as_str);
