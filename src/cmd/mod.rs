@@ -2,7 +2,9 @@
 //! 3 verdict pending or unknown.
 
 mod client;
+mod node_watch;
 mod rank;
+mod run;
 mod serve;
 mod status;
 mod why;
@@ -56,6 +58,10 @@ pub enum Command {
     /// trying rootrank by hand). Type `help` for the commands.
     #[command(hide = true)]
     Rank(rank::RankArgs),
+    /// The node watchdog (one per host): reports rank deaths in milliseconds, with their cause.
+    NodeWatch(node_watch::NodeWatchArgs),
+    /// Supervise one rank process: environment, liveness, signals, and its exit reported.
+    Run(run::RunArgs),
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
@@ -64,6 +70,8 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Why(a) => why::run(a),
         Command::Status(a) => status::run(a),
         Command::Rank(a) => rank::run(a),
+        Command::NodeWatch(a) => node_watch::run(a),
+        Command::Run(a) => run::run(a),
     }
 }
 
