@@ -13,7 +13,9 @@ async fn deaths_reported_once_across_watchdog_and_etcd_restarts() -> anyhow::Res
     let mut etcd = Etcd::start()?;
     let ep = etcd.endpoint();
     let mut watch = NodeWatch::start(&ep)?;
-    let ranks: Vec<Rank> = (0..4).map(|r| Rank::start(&ep, G, r, 4, 30_000)).collect::<Result<_, _>>()?;
+    let ranks: Vec<Rank> = (0..4)
+        .map(|r| Rank::start(&ep, G, r, 4, 30_000))
+        .collect::<Result<_, _>>()?;
     let mut ranks: Vec<Option<Rank>> = ranks.into_iter().map(Some).collect();
     let pid = |ranks: &[Option<Rank>], r: usize| ranks[r].as_ref().map_or(0, |x| x.pid);
     for r in 0..4 {
@@ -50,10 +52,14 @@ async fn deaths_reported_once_across_watchdog_and_etcd_restarts() -> anyhow::Res
     etcd.kill();
     r2.kill9();
     // Seen and tried while etcd is down...
-    rootrank_testkit::eventually(std::time::Duration::from_secs(20), "a write attempt while etcd is down", || {
-        let log = watch.log_text();
-        async move { log.contains("down certificate not written yet").then_some(()) }
-    })
+    rootrank_testkit::eventually(
+        std::time::Duration::from_secs(20),
+        "a write attempt while etcd is down",
+        || {
+            let log = watch.log_text();
+            async move { log.contains("down certificate not written yet").then_some(()) }
+        },
+    )
     .await?;
     // ...and written once it is back.
     etcd.restart()?;
@@ -92,7 +98,14 @@ async fn deaths_reported_once_across_watchdog_and_etcd_restarts() -> anyhow::Res
     got.sort();
     let mut want_sorted = want.clone();
     want_sorted.sort();
-    assert_eq!(got, want_sorted, "one certificate per dead incarnation, none for the living rank 0");
-    assert!(keys.iter().all(|(_, v)| *v == 1), "each written exactly once: {keys:?}\n{}", watch.log_text());
+    assert_eq!(
+        got, want_sorted,
+        "one certificate per dead incarnation, none for the living rank 0"
+    );
+    assert!(
+        keys.iter().all(|(_, v)| *v == 1),
+        "each written exactly once: {keys:?}\n{}",
+        watch.log_text()
+    );
     Ok(())
 }

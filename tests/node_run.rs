@@ -52,9 +52,19 @@ async fn traceback_and_exit_code_reach_the_verdict() -> anyhow::Result<()> {
     .stdin(Stdio::null())
     .output()?;
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(3), "rootrank run exits with the child's code; stderr:\n{stderr}");
-    assert!(String::from_utf8_lossy(&out.stdout).contains("hello from stdout"), "stdout passes through");
-    assert!(stderr.contains("RuntimeError: CUDA out of memory"), "stderr passes through:\n{stderr}");
+    assert_eq!(
+        out.status.code(),
+        Some(3),
+        "rootrank run exits with the child's code; stderr:\n{stderr}"
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("hello from stdout"),
+        "stdout passes through"
+    );
+    assert!(
+        stderr.contains("RuntimeError: CUDA out of memory"),
+        "stderr passes through:\n{stderr}"
+    );
 
     let cert = only_certificate(&ep, "prefill-0", 1).await?;
     let c = &cert.value;
@@ -94,11 +104,7 @@ async fn traceback_and_exit_code_reach_the_verdict() -> anyhow::Result<()> {
 }
 
 /// Starts `rootrank run -- rootrank rank` and returns (supervisor, child pid, incarnation).
-fn run_rank_with_agent(
-    ep: &str,
-    group: &str,
-    rank: u32,
-) -> anyhow::Result<(std::process::Child, u32, String)> {
+fn run_rank_with_agent(ep: &str, group: &str, rank: u32) -> anyhow::Result<(std::process::Child, u32, String)> {
     let mut sup = run_cmd(ep, group, rank, 1, &[], &[BIN, "rank", "--lease-ttl-ms", "30000"])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -129,11 +135,20 @@ async fn sigkilled_child_with_its_own_agent() -> anyhow::Result<()> {
     let etcd = Etcd::start()?;
     let ep = etcd.endpoint();
     let (mut sup, child_pid, incarnation) = run_rank_with_agent(&ep, "decode-0", 0)?;
-    assert_ne!(child_pid, sup.id(), "the rank is the supervisor's child, not the supervisor");
+    assert_ne!(
+        child_pid,
+        sup.id(),
+        "the rank is the supervisor's child, not the supervisor"
+    );
     signal(child_pid, libc::SIGKILL);
     let status = sup.wait()?;
     use std::os::unix::process::ExitStatusExt;
-    assert_eq!(status.code(), Some(128 + 9), "rootrank run exits 128+signal ({status:?}, {:?})", status.signal());
+    assert_eq!(
+        status.code(),
+        Some(128 + 9),
+        "rootrank run exits 128+signal ({status:?}, {:?})",
+        status.signal()
+    );
 
     // The certificate is for the child's own incarnation (its agent's lease).
     let cert = wait_certificate(&ep, "decode-0", 0, &incarnation).await?;
@@ -145,7 +160,10 @@ async fn sigkilled_child_with_its_own_agent() -> anyhow::Result<()> {
     assert!(c["detail"].as_str().is_some_and(|d| d.contains("SIGKILL")), "{c}");
     assert_eq!(c["pid"], child_pid, "{c}");
     let tail: Vec<String> = serde_json::from_value(c["log_tail"].clone())?;
-    assert!(tail.iter().any(|l| l.contains("rank registered")), "the child's stderr: {tail:?}");
+    assert!(
+        tail.iter().any(|l| l.contains("rank registered")),
+        "the child's stderr: {tail:?}"
+    );
     Ok(())
 }
 
@@ -153,16 +171,26 @@ async fn sigkilled_child_with_its_own_agent() -> anyhow::Result<()> {
 async fn sigterm_is_forwarded_and_reported() -> anyhow::Result<()> {
     let etcd = Etcd::start()?;
     let ep = etcd.endpoint();
-    let mut sup = run_cmd(&ep, "prefill-1", 0, 1, &["--agent-grace-ms", "0"], &["sh", "-c", "echo ready; exec sleep 60"])
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .spawn()?;
+    let mut sup = run_cmd(
+        &ep,
+        "prefill-1",
+        0,
+        1,
+        &["--agent-grace-ms", "0"],
+        &["sh", "-c", "echo ready; exec sleep 60"],
+    )
+    .stdin(Stdio::null())
+    .stdout(Stdio::piped())
+    .spawn()?;
     let mut line = String::new();
     BufReader::new(sup.stdout.take().ok_or_else(|| anyhow::anyhow!("no stdout"))?).read_line(&mut line)?;
     assert_eq!(line.trim(), "ready");
     // Registered on the child's behalf (grace 0): wait for the live key before the signal.
     eventually(Duration::from_secs(20), "the supervisor's registration", || async {
-        list(&ep, &node_common::live_key("prefill-1", 0)).await.ok().filter(|v| !v.is_empty())
+        list(&ep, &node_common::live_key("prefill-1", 0))
+            .await
+            .ok()
+            .filter(|v| !v.is_empty())
     })
     .await?;
     signal(sup.id(), libc::SIGTERM);
@@ -179,9 +207,16 @@ async fn sigterm_is_forwarded_and_reported() -> anyhow::Result<()> {
 async fn clean_exit_is_a_shutdown() -> anyhow::Result<()> {
     let etcd = Etcd::start()?;
     let ep = etcd.endpoint();
-    let out = run_cmd(&ep, "prefill-2", 0, 1, &["--agent-grace-ms", "0"], &["sh", "-c", "sleep 0.2; exit 0"])
-        .stdin(Stdio::null())
-        .output()?;
+    let out = run_cmd(
+        &ep,
+        "prefill-2",
+        0,
+        1,
+        &["--agent-grace-ms", "0"],
+        &["sh", "-c", "sleep 0.2; exit 0"],
+    )
+    .stdin(Stdio::null())
+    .output()?;
     assert_eq!(out.status.code(), Some(0));
     let cert = only_certificate(&ep, "prefill-2", 0).await?;
     assert_eq!(cert.value["reason"], "shutdown", "{:?}", cert);

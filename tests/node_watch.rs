@@ -4,7 +4,6 @@
 
 mod node_common;
 
-
 use node_common::{list, live_key, wait_certificate, NodeWatch};
 use rootrank_testkit::{Coordinator, Etcd, Rank};
 
@@ -50,7 +49,11 @@ async fn sigkilled_rank_is_certified_and_named_before_its_lease_expires() -> any
     assert_eq!(cert.value["pid"], victim_pid, "{:?}", cert);
     assert_eq!(cert.value["incarnation"], incarnation.as_str(), "{:?}", cert);
     assert!(cert.value["host"].is_string(), "{:?}", cert);
-    assert!(cert.value["registered_revision"].as_i64().is_some_and(|r| r > 0), "{:?}", cert);
+    assert!(
+        cert.value["registered_revision"].as_i64().is_some_and(|r| r > 0),
+        "{:?}",
+        cert
+    );
     assert_eq!(cert.version, 1, "written once");
     Ok(())
 }

@@ -53,10 +53,14 @@ impl NodeWatch {
     /// Waits until the watchdog says it watches `group/rank` with this pid.
     pub async fn wait_watching(&self, group: &str, rank: u32, pid: u32) -> anyhow::Result<()> {
         let needle = format!("watching {group}/{rank} pid {pid} ");
-        eventually(Duration::from_secs(20), &format!("node-watch watching {needle}"), || {
-            let found = self.log_text().contains(&needle);
-            async move { found.then_some(()) }
-        })
+        eventually(
+            Duration::from_secs(20),
+            &format!("node-watch watching {needle}"),
+            || {
+                let found = self.log_text().contains(&needle);
+                async move { found.then_some(()) }
+            },
+        )
         .await
         .map_err(|e| anyhow::anyhow!("{e}; node-watch log:\n{}", self.log_text()))
     }

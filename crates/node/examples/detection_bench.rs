@@ -127,7 +127,10 @@ fn report(name: &str, mut s: Vec<f64>) {
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> anyhow::Result<()> {
     let a = args()?;
-    println!("SIGKILL -> resolved verdict (wait_ms long poll started before the kill), {} kills", a.kills);
+    println!(
+        "SIGKILL -> resolved verdict (wait_ms long poll started before the kill), {} kills",
+        a.kills
+    );
     if a.mode == "both" || a.mode == "watchdog" {
         // A long TTL so only the watchdog can resolve the verdict.
         let s = measure(true, a.kills, 30_000).await?;

@@ -115,7 +115,10 @@ mod tests {
         };
         assert!(me.is_local(&live(Some("h1"), Some("b1"))));
         assert!(me.is_local(&live(Some("h1"), None)));
-        assert!(!me.is_local(&live(Some("h1"), Some("b0"))), "record from an earlier boot");
+        assert!(
+            !me.is_local(&live(Some("h1"), Some("b0"))),
+            "record from an earlier boot"
+        );
         assert!(!me.is_local(&live(Some("h2"), Some("b1"))));
         assert!(!me.is_local(&live(None, None)));
     }

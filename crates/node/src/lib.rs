@@ -17,8 +17,8 @@
 
 mod certs;
 mod host;
-mod sync;
 pub mod supervise;
+mod sync;
 pub mod watch;
 
 pub use host::HostIdentity;

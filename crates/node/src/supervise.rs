@@ -61,7 +61,9 @@ impl SuperviseConfig {
         let group = GroupId::new(group)?;
         let (rank, group_size) = check_rank(rank, group_size)?;
         if command.is_empty() {
-            return Err(NodeError::Config("no command to run (rootrank run ... -- CMD ARGS...)".into()));
+            return Err(NodeError::Config(
+                "no command to run (rootrank run ... -- CMD ARGS...)".into(),
+            ));
         }
         Ok(SuperviseConfig {
             endpoints,
@@ -150,7 +152,9 @@ async fn supervise_inner(config: SuperviseConfig) -> Result<SupervisedExit, Node
         source,
     })?;
     let Some(pid) = child.id() else {
-        return Err(NodeError::Wait(std::io::Error::other("child exited before its pid was read")));
+        return Err(NodeError::Wait(std::io::Error::other(
+            "child exited before its pid was read",
+        )));
     };
     info!(pid, program, "rank process started");
     let cgroup = CgroupOomProbe::for_pid(pid);
@@ -159,7 +163,10 @@ async fn supervise_inner(config: SuperviseConfig) -> Result<SupervisedExit, Node
         config.tail_lines,
         rootrank_core::records::MAX_LOG_LINE_BYTES,
     )));
-    let stderr_task = child.stderr.take().map(|s| tokio::spawn(pass_stderr(s, Arc::clone(&tail))));
+    let stderr_task = child
+        .stderr
+        .take()
+        .map(|s| tokio::spawn(pass_stderr(s, Arc::clone(&tail))));
 
     let shared: Shared = Arc::default();
     let discovery = tokio::spawn(discover(config.clone(), pid, Arc::clone(&shared)).in_current_span());
