@@ -250,3 +250,33 @@ async fn watchdog_leaves_a_supervised_death_to_the_supervisor() -> anyhow::Resul
     assert_eq!(cert.value["source"], "supervisor");
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exit_before_any_registration_is_still_certified() -> anyhow::Result<()> {
+    let etcd = Etcd::start()?;
+    let ep = etcd.endpoint();
+    // Dies long before the (default 3 s) agent grace: nothing ever registered it.
+    let out = run_cmd(
+        &ep,
+        "prefill-4",
+        0,
+        1,
+        &[],
+        &["sh", "-c", "echo 'ImportError: no module named sglang' >&2; exit 4"],
+    )
+    .stdin(Stdio::null())
+    .output()?;
+    assert_eq!(out.status.code(), Some(4));
+    let cert = only_certificate(&ep, "prefill-4", 0).await?;
+    assert_eq!(cert.value["source"], "supervisor", "{cert:?}");
+    assert_eq!(cert.value["exit"]["code"], 4, "{cert:?}");
+    assert_eq!(
+        cert.value["log_tail"][0], "ImportError: no module named sglang",
+        "{cert:?}"
+    );
+    assert!(
+        list(&ep, &node_common::live_key("prefill-4", 0)).await?.is_empty(),
+        "no live record for a dead process"
+    );
+    Ok(())
+}

@@ -78,22 +78,62 @@ pub(crate) fn pid_reused_since(pid: u32, record_started_at: Option<&str>) -> boo
     }
 }
 
-/// The pid of the `rootrank run` supervisor that is `pid`'s parent, if it is one. Such a
-/// rank's death is the supervisor's to report first: it knows the exit status and the
-/// stderr tail, and the first specific certificate wins.
-pub(crate) fn supervisor_of(pid: u32) -> Option<u32> {
+/// The parent of `pid`, from `/proc/PID/stat`.
+pub(crate) fn parent_of(pid: u32) -> Option<u32> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // Fields after the command name (which may hold spaces): state, ppid, ...
     let (_, after) = stat.rsplit_once(')')?;
-    let ppid: u32 = after.split_whitespace().nth(1)?.parse().ok()?;
-    let cmdline = std::fs::read(format!("/proc/{ppid}/cmdline")).ok()?;
+    after.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// How far up the process tree to look: ranks are often started through a shell or a
+/// launcher, so the rank process may be a grandchild of its supervisor.
+const MAX_ANCESTRY: usize = 8;
+
+/// Whether `pid` is `ancestor` or one of its descendants (a few levels down).
+pub(crate) fn is_self_or_descendant(pid: u32, ancestor: u32) -> bool {
+    let mut p = pid;
+    for _ in 0..=MAX_ANCESTRY {
+        if p == ancestor {
+            return true;
+        }
+        match parent_of(p) {
+            Some(pp) if pp > 1 && pp != p => p = pp,
+            _ => return false,
+        }
+    }
+    false
+}
+
+fn is_supervisor(pid: u32) -> bool {
+    let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+        return false;
+    };
     let mut args = cmdline.split(|b| *b == 0).filter(|a| !a.is_empty());
-    let argv0 = args.next()?;
-    let name = argv0.rsplit(|b| *b == b'/').next()?;
-    let is_rootrank = name.starts_with(b"rootrank");
+    let Some(argv0) = args.next() else {
+        return false;
+    };
+    let name = argv0.rsplit(|b| *b == b'/').next().unwrap_or(argv0);
     // `rootrank [global flags] run ...`: the first non-flag argument is the subcommand.
-    let sub = args.find(|a| !a.starts_with(b"-"));
-    (is_rootrank && sub == Some(b"run".as_slice())).then_some(ppid)
+    name.starts_with(b"rootrank") && args.find(|a| !a.starts_with(b"-")) == Some(b"run".as_slice())
+}
+
+/// The pid of the `rootrank run` supervisor above `pid` (its parent, or a few levels up),
+/// if there is one. Such a rank's death is the supervisor's to report first: it knows the
+/// exit status and the stderr tail, and the first specific certificate wins.
+pub(crate) fn supervisor_of(pid: u32) -> Option<u32> {
+    let mut p = pid;
+    for _ in 0..MAX_ANCESTRY {
+        let pp = parent_of(p)?;
+        if pp <= 1 || pp == p {
+            return None;
+        }
+        if is_supervisor(pp) {
+            return Some(pp);
+        }
+        p = pp;
+    }
+    None
 }
 
 #[cfg(test)]
@@ -133,5 +173,9 @@ mod tests {
         assert!(!pid_reused_since(me, Some(&after)));
         assert!(!pid_reused_since(me, None));
         assert_eq!(supervisor_of(me), None);
+        assert!(is_self_or_descendant(me, me));
+        let parent = parent_of(me).expect("a parent");
+        assert!(is_self_or_descendant(me, parent));
+        assert!(!is_self_or_descendant(parent, me));
     }
 }

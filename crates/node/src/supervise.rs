@@ -97,6 +97,9 @@ pub struct SupervisedExit {
 #[derive(Clone, Debug)]
 struct Known {
     incarnation: Incarnation,
+    /// The rank process the record names: the child, or a descendant of it when the child
+    /// is a launcher (a shell, torchrun...).
+    pid: u32,
     registered_revision: i64,
     gpu: Option<String>,
     host: Option<String>,
@@ -205,7 +208,8 @@ async fn supervise_inner(config: SuperviseConfig) -> Result<SupervisedExit, Node
     let known = resolve_incarnation(&config, pid, &shared).await;
     let pe = ProcessExit {
         key: (),
-        pid,
+        // The kernel names the rank process in its OOM lines (a grandchild under a launcher).
+        pid: known.as_ref().map_or(pid, |k| k.pid),
         exit: Some(exit),
         observed: ExitObserved::Exited,
         watched_since,
@@ -247,7 +251,7 @@ async fn supervise_inner(config: SuperviseConfig) -> Result<SupervisedExit, Node
         }),
         log_tail: Some(log_tail),
         host: known.host.clone(),
-        pid: Some(pid),
+        pid: Some(known.pid),
         observed_revision: None,
         registered_revision: Some(known.registered_revision).filter(|r| *r > 0),
     };
@@ -305,8 +309,8 @@ async fn pass_stderr(mut from: tokio::process::ChildStderr, tail: Arc<Mutex<LogT
     }
 }
 
-/// The live record at the rank's key, if it names `pid`.
-async fn lookup(etcd: &mut Etcd, key: &str, pid: u32) -> Option<Known> {
+/// The live record at the rank's key, if it names `child` or one of its descendants.
+async fn lookup(etcd: &mut Etcd, key: &str, child: u32) -> Option<Known> {
     let client = etcd.client().await.ok()?;
     let resp = tokio::time::timeout(Duration::from_secs(1), client.get(key, None))
         .await
@@ -314,25 +318,28 @@ async fn lookup(etcd: &mut Etcd, key: &str, pid: u32) -> Option<Known> {
         .ok()?;
     let kv = resp.kvs().first()?;
     let live = RankLive::parse(kv.value()).ok()?;
-    if live.pid != Some(pid) {
-        return None;
+    let pid = live.pid?;
+    if !crate::host::is_self_or_descendant(pid, child) {
+        return None; // an earlier incarnation's record, or a stranger's
     }
     Some(Known {
         incarnation: Incarnation::new(kv.lease()).ok()?,
+        pid,
         registered_revision: kv.mod_revision(),
         gpu: live.gpu,
         host: live.host,
     })
 }
 
-/// Waits `agent_grace` for the child's own agent to register; registers for it otherwise.
+/// Waits `agent_grace` for the child's own agent to register; registers for it otherwise,
+/// and hands over to the child's agent if it registers later after all.
 async fn discover(config: SuperviseConfig, pid: u32, shared: Shared) {
     let key = Keys::new(&config.prefix).live(&config.group, config.rank);
     let mut etcd = Etcd::new(config.endpoints.clone());
     let deadline = Instant::now() + config.agent_grace;
     loop {
         if let Some(k) = lookup(&mut etcd, &key, pid).await {
-            info!(incarnation = %k.incarnation, "the rank process registered itself");
+            info!(incarnation = %k.incarnation, rank_pid = k.pid, "the rank process registered itself");
             lock(&shared).known = Some(k);
             return;
         }
@@ -345,8 +352,32 @@ async fn discover(config: SuperviseConfig, pid: u32, shared: Shared) {
         grace_ms = config.agent_grace.as_millis() as u64,
         "no agent registered for the rank process; registering liveness on its behalf"
     );
-    if let Some(k) = register_for_child(&config, pid, &shared, &mut etcd, &key, None).await {
-        lock(&shared).known = Some(k);
+    let Some(ours) = register_for_child(&config, pid, &shared, &mut etcd, &key, None).await else {
+        return;
+    };
+    let our_incarnation = ours.incarnation;
+    lock(&shared).known = Some(ours);
+    // A slow-starting agent in the child registers late and takes the live key over. Its
+    // incarnation is then the rank's: stop ours cleanly (a `shutdown` certificate, so our
+    // replaced incarnation is never taken for a death).
+    loop {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let Some(k) = lookup(&mut etcd, &key, pid).await else {
+            continue;
+        };
+        if k.incarnation == our_incarnation {
+            continue;
+        }
+        info!(incarnation = %k.incarnation, "the rank process's own agent registered; handing liveness over to it");
+        let agent = {
+            let mut d = lock(&shared);
+            d.known = Some(k);
+            d.agent.take()
+        };
+        if let Some(agent) = agent {
+            let _ = tokio::task::spawn_blocking(move || agent.shutdown(Duration::from_secs(5))).await;
+        }
+        return;
     }
 }
 
@@ -397,9 +428,10 @@ async fn register_for_child(
     };
     info!(%incarnation, "registered on the rank process's behalf");
     // The registration revision, for the verdict's "re-registered before" rule.
-    let found = lookup(etcd, key, pid).await;
+    let found = lookup(etcd, key, pid).await.filter(|k| k.incarnation == incarnation);
     Some(Known {
         incarnation,
+        pid,
         registered_revision: found.as_ref().map_or(0, |k| k.registered_revision),
         gpu: None,
         host: found.and_then(|k| k.host),
@@ -407,12 +439,15 @@ async fn register_for_child(
 }
 
 /// The incarnation to certify: the live key as it is now (its agent may have re-registered),
-/// else the last one seen, else one registered now for a process that died before anything
-/// registered (a certificate needs an incarnation).
+/// else the last one seen, else our agent's, else a fresh one for a process that died
+/// before anything registered (a certificate needs an incarnation).
 async fn resolve_incarnation(config: &SuperviseConfig, pid: u32, shared: &Shared) -> Option<Known> {
     let key = Keys::new(&config.prefix).live(&config.group, config.rank);
     let mut etcd = Etcd::new(config.endpoints.clone());
-    let before = lock(shared).known.clone();
+    let (before, have_agent) = {
+        let d = lock(shared);
+        (d.known.clone(), d.agent.is_some())
+    };
     if let Some(now) = lookup(&mut etcd, &key, pid).await {
         return Some(now);
     }
@@ -420,7 +455,39 @@ async fn resolve_incarnation(config: &SuperviseConfig, pid: u32, shared: &Shared
         return before;
     }
     let limit = Instant::now() + config.report_timeout;
-    register_for_child(config, pid, shared, &mut etcd, &key, Some(limit)).await
+    if have_agent {
+        return register_for_child(config, pid, shared, &mut etcd, &key, Some(limit)).await;
+    }
+    mint_incarnation(config, pid, &mut etcd, limit).await
+}
+
+/// An incarnation for a process that is already dead: a lease that never carries a live
+/// key. Writing a live record for a dead pid would only make a node watchdog report it too
+/// (without the exit status and the tail), and race this certificate.
+async fn mint_incarnation(config: &SuperviseConfig, pid: u32, etcd: &mut Etcd, limit: Instant) -> Option<Known> {
+    let ttl = config.lease_ttl.as_secs().max(1) as i64;
+    let mut backoff = rootrank_store::Backoff::new(Duration::from_millis(20), Duration::from_secs(1));
+    loop {
+        if let Ok(c) = etcd.client().await {
+            if let Ok(resp) = c.lease_grant(ttl, None).await {
+                let revision = resp.header().map_or(0, |h| h.revision());
+                let incarnation = Incarnation::new(resp.id()).ok()?;
+                info!(%incarnation, "the rank process ended before anything registered it; certifying a fresh incarnation");
+                return Some(Known {
+                    incarnation,
+                    pid,
+                    registered_revision: revision,
+                    gpu: None,
+                    host: crate::HostIdentity::current().map(|h| h.hostname),
+                });
+            }
+        }
+        let pause = backoff.next_pause();
+        if Instant::now() + pause > limit {
+            return None;
+        }
+        tokio::time::sleep(pause).await;
+    }
 }
 
 /// Stops our agent, if any: a clean stop (revoking the lease) when the death is certified.

@@ -285,13 +285,13 @@ impl State {
     }
 
     fn on_exit(&mut self, exit: ProcessExit<WatchKey>) {
-        let Some(w) = self.watched.remove(&exit.key) else {
-            return; // unwatched meanwhile
-        };
-        if w.pid != exit.pid {
+        // Only the watch currently held for the key may report (a replaced one is stale).
+        if self.watched.get(&exit.key).is_none_or(|w| w.pid != exit.pid) {
             return;
         }
-        self.report(w, exit);
+        if let Some(w) = self.watched.remove(&exit.key) {
+            self.report(w, exit);
+        }
     }
 
     fn report(&mut self, w: Watched, exit: ProcessExit<WatchKey>) {
