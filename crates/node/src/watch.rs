@@ -70,6 +70,8 @@ struct Watched {
 /// A death ready to be written.
 struct Report {
     down: RankDown,
+    /// When the exit was noticed, to log how long reporting took.
+    noticed_at: Instant,
 }
 
 /// Runs the watchdog until `shutdown` resolves.
@@ -337,7 +339,10 @@ impl State {
                     observed_revision: None,
                     registered_revision: Some(w.registered_revision).filter(|r| *r > 0),
                 };
-                let _ = tx.send(Report { down });
+                let _ = tx.send(Report {
+                    down,
+                    noticed_at: exit.noticed_at,
+                });
             }
             .instrument(span),
         );
@@ -365,11 +370,17 @@ async fn write_reports(
     written: mpsc::UnboundedSender<IncarnationId>,
 ) {
     writer.warm_up().await;
-    while let Some(Report { down }) = rx.recv().await {
+    while let Some(Report { down, noticed_at }) = rx.recv().await {
         let span = info_span!("certificate", group = %down.group, rank = down.rank, incarnation = %down.incarnation);
         let outcome = writer.write(&down, None).instrument(span.clone()).await;
         span.in_scope(|| match outcome {
-            Written::Yes => info!(reason = %down.reason, detail = %down.detail, pid = down.pid.unwrap_or(0), "down certificate written"),
+            Written::Yes => info!(
+                reason = %down.reason,
+                detail = %down.detail,
+                pid = down.pid.unwrap_or(0),
+                since_exit_us = noticed_at.elapsed().as_micros() as u64,
+                "down certificate written"
+            ),
             Written::AlreadyCertified => info!("incarnation already had a certificate; kept it"),
             Written::GaveUp => warn!("down certificate not written"),
         });
