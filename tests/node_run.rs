@@ -140,6 +140,18 @@ async fn sigkilled_child_with_its_own_agent() -> anyhow::Result<()> {
         sup.id(),
         "the rank is the supervisor's child, not the supervisor"
     );
+    // The child's agent logs its registration to stderr just after it tells stdout: wait
+    // for that line to pass through before the kill, so the tail has something to show.
+    let stderr = sup.stderr.take().ok_or_else(|| anyhow::anyhow!("no stderr"))?;
+    let (seen_tx, seen_rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            if line.contains("rank registered") {
+                let _ = seen_tx.send(());
+            }
+        }
+    });
+    seen_rx.recv_timeout(Duration::from_secs(20))?;
     signal(child_pid, libc::SIGKILL);
     let status = sup.wait()?;
     use std::os::unix::process::ExitStatusExt;
