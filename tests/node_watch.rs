@@ -57,3 +57,26 @@ async fn sigkilled_rank_is_certified_and_named_before_its_lease_expires() -> any
     assert_eq!(cert.version, 1, "written once");
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_kernel_log_it_says_so_once_and_still_reports() -> anyhow::Result<()> {
+    let etcd = Etcd::start()?;
+    let ep = etcd.endpoint();
+    let watch = NodeWatch::start_with(&ep, &["--kernel-log", "/nonexistent/kmsg"])?;
+    let mut victims = Vec::new();
+    for r in 0..2 {
+        let v = Rank::start(&ep, "decode-0", r, 2, 30_000)?;
+        watch.wait_watching("decode-0", r, v.pid).await?;
+        victims.push((r, v));
+    }
+    for (r, mut v) in victims {
+        let inc = v.incarnation.clone();
+        v.kill9();
+        let cert = wait_certificate(&ep, "decode-0", r, &inc).await?;
+        assert_eq!(cert.value["source"], "watchdog", "{cert:?}");
+        assert_eq!(cert.value["reason"], "process_exit", "{cert:?}");
+    }
+    let log = watch.log_text();
+    assert_eq!(log.matches("kernel log unavailable").count(), 1, "said once:\n{log}");
+    Ok(())
+}

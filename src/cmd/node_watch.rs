@@ -18,6 +18,9 @@ pub struct NodeWatchArgs {
     /// status and the stderr tail) before the watchdog reports its death itself.
     #[arg(long, default_value_t = 2_000)]
     pub supervisor_grace_ms: u64,
+    /// The kernel log device to read OOM kills and GPU Xids from (default /dev/kmsg).
+    #[arg(long)]
+    pub kernel_log: Option<std::path::PathBuf>,
 }
 
 pub fn run(a: NodeWatchArgs) -> anyhow::Result<ExitCode> {
@@ -25,6 +28,7 @@ pub fn run(a: NodeWatchArgs) -> anyhow::Result<ExitCode> {
     config.prefix = a.etcd.prefix;
     config.retention = Duration::from_secs(a.retention_s.max(1));
     config.supervisor_grace = Duration::from_millis(a.supervisor_grace_ms);
+    config.kernel_log = a.kernel_log;
     super::runtime()?.block_on(async {
         rootrank_node::node_watch(config, shutdown_signal()).await?;
         Ok(ExitCode::SUCCESS)

@@ -14,6 +14,7 @@ pub const BIN: &str = env!("CARGO_BIN_EXE_rootrank");
 /// A `rootrank node-watch` process with its log in a file.
 pub struct NodeWatch {
     child: Option<Child>,
+    extra: Vec<String>,
     log: PathBuf,
     endpoint: String,
     _dir: tempfile::TempDir,
@@ -21,9 +22,14 @@ pub struct NodeWatch {
 
 impl NodeWatch {
     pub fn start(endpoint: &str) -> anyhow::Result<NodeWatch> {
+        Self::start_with(endpoint, &[])
+    }
+
+    pub fn start_with(endpoint: &str, extra: &[&str]) -> anyhow::Result<NodeWatch> {
         let dir = tempfile::tempdir()?;
         let mut w = NodeWatch {
             child: None,
+            extra: extra.iter().map(|s| s.to_string()).collect(),
             log: dir.path().join("node-watch.log"),
             endpoint: endpoint.to_string(),
             _dir: dir,
@@ -36,6 +42,7 @@ impl NodeWatch {
         let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.log)?;
         let child = Command::new(BIN)
             .args(["node-watch", "--etcd-endpoints", &self.endpoint])
+            .args(&self.extra)
             .env("ROOTRANK_LOG", "info,rootrank_node=debug")
             .env("NO_COLOR", "1")
             .stdin(Stdio::null())

@@ -35,6 +35,8 @@ pub struct NodeWatchConfig {
     pub supervisor_grace: Duration,
     /// This host; `None`: read it from /proc.
     pub host: Option<HostIdentity>,
+    /// The kernel log device (`None`: /dev/kmsg; another path for a bind mount).
+    pub kernel_log: Option<std::path::PathBuf>,
 }
 
 impl NodeWatchConfig {
@@ -45,6 +47,7 @@ impl NodeWatchConfig {
             retention: Duration::from_secs(600),
             supervisor_grace: Duration::from_secs(2),
             host: None,
+            kernel_log: None,
         }
     }
 }
@@ -88,8 +91,15 @@ pub async fn run(config: NodeWatchConfig, shutdown: impl Future<Output = ()>) ->
         }
     };
     info!(host = %me.hostname, boot_id = me.boot_id.as_deref().unwrap_or("-"), "node watchdog starting");
-    // Says once, inside, when /dev/kmsg cannot be read; deaths are still reported.
-    let kernel = Arc::new(KernelLog::open_or_unavailable());
+    // Said once, here, when the kernel log cannot be read; deaths are still reported, from
+    // the cgroup counters and what the pidfd says.
+    let kernel = Arc::new(match &config.kernel_log {
+        None => KernelLog::open_or_unavailable(),
+        Some(path) => KernelLog::open_path(path).unwrap_or_else(|e| {
+            warn!(error = %e, path = %path.display(), "kernel log unavailable; continuing without it");
+            KernelLog::unavailable()
+        }),
+    });
 
     let (sync_tx, mut sync_rx) = mpsc::unbounded_channel();
     let sync_task = tokio::spawn(sync::run(config.endpoints.clone(), config.prefix.clone(), sync_tx));
