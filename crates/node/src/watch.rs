@@ -65,8 +65,8 @@ struct Watched {
     /// Added from the first snapshot: an exit found at once means the rank died while no
     /// watchdog was looking.
     at_start: bool,
-    /// The `rootrank run` supervisor that is the process's parent, read when the watch
-    /// starts (once the child is reaped, /proc no longer says who its parent was).
+    /// The `rootrank run` supervisor above the process (its parent or a few levels up),
+    /// read when the watch starts: once the child is reaped, /proc no longer says.
     supervisor: Option<u32>,
 }
 
