@@ -292,3 +292,62 @@ async fn exit_before_any_registration_is_still_certified() -> anyhow::Result<()>
     );
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rank_under_a_launcher_keeps_its_own_incarnation() -> anyhow::Result<()> {
+    let etcd = Etcd::start()?;
+    let ep = etcd.endpoint();
+    // The rank is a grandchild (sh is the launcher, and not exec'ing it); its agent's live
+    // record names the grandchild's pid. The supervisor must take that incarnation as the
+    // rank's, not register over it once the grace is out.
+    let script = format!("{BIN} rank --lease-ttl-ms 30000; echo 'launcher: rank died' >&2; exit 7");
+    let mut sup = run_cmd(
+        &ep,
+        "prefill-5",
+        0,
+        1,
+        &["--agent-grace-ms", "300"],
+        &["sh", "-c", &script],
+    )
+    .stdin(Stdio::piped())
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()?;
+    let mut line = String::new();
+    BufReader::new(sup.stdout.take().ok_or_else(|| anyhow::anyhow!("no stdout"))?).read_line(&mut line)?;
+    let field = |name: &str| {
+        line.split_whitespace()
+            .find_map(|w| w.strip_prefix(name))
+            .map(str::to_string)
+            .ok_or_else(|| anyhow::anyhow!("no {name} in {line:?}"))
+    };
+    let incarnation = field("incarnation=")?;
+    let rank_pid: u32 = field("pid=")?.parse()?;
+    let stderr = sup.stderr.take().ok_or_else(|| anyhow::anyhow!("no stderr"))?;
+    let (seen_tx, seen_rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            if line.contains("the rank process registered itself") {
+                let _ = seen_tx.send(());
+            }
+        }
+    });
+    seen_rx.recv_timeout(Duration::from_secs(20))?;
+
+    signal(rank_pid, libc::SIGKILL);
+    let status = sup.wait()?;
+    assert_eq!(status.code(), Some(7), "the launcher's status");
+    let cert = only_certificate(&ep, "prefill-5", 0).await?;
+    let c = &cert.value;
+    assert_eq!(
+        c["incarnation"],
+        incarnation.as_str(),
+        "the rank's own incarnation: {c}"
+    );
+    assert_eq!(c["pid"], rank_pid, "{c}");
+    assert_eq!(c["source"], "supervisor", "{c}");
+    assert_eq!(c["exit"]["code"], 7, "{c}");
+    let tail: Vec<String> = serde_json::from_value(c["log_tail"].clone())?;
+    assert_eq!(tail.last().map(String::as_str), Some("launcher: rank died"), "{c}");
+    Ok(())
+}
