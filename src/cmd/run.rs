@@ -9,10 +9,13 @@ use super::EtcdArgs;
 
 #[derive(clap::Args, Debug)]
 pub struct RunArgs {
+    /// The rank's reduction group (passed to the process as ROOTRANK_GROUP).
     #[arg(long)]
     pub group: String,
+    /// The rank, 0 <= rank < group size (ROOTRANK_RANK).
     #[arg(long)]
     pub rank: u64,
+    /// The group's size (ROOTRANK_GROUP_SIZE).
     #[arg(long)]
     pub group_size: u64,
     /// Liveness lease TTL in milliseconds, when the supervisor registers for a process that
