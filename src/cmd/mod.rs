@@ -3,7 +3,9 @@
 
 mod client;
 mod demo;
+mod node_watch;
 mod rank;
+mod run;
 mod serve;
 mod sim_rank;
 mod simulate;
@@ -66,6 +68,10 @@ pub enum Command {
     /// One rank of `rootrank simulate` (spawned by it).
     #[command(hide = true)]
     SimRank(sim_rank::SimRankArgs),
+    /// The node watchdog (one per host): reports rank deaths in milliseconds, with their cause.
+    NodeWatch(node_watch::NodeWatchArgs),
+    /// Supervise one rank process: environment, liveness, signals, and its exit reported.
+    Run(run::RunArgs),
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
@@ -77,6 +83,8 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Demo(a) => demo::run(a),
         Command::Simulate(a) => simulate::run(*a),
         Command::SimRank(a) => sim_rank::run(a),
+        Command::NodeWatch(a) => node_watch::run(a),
+        Command::Run(a) => run::run(a),
     }
 }
 

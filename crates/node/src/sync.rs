@@ -1,0 +1,241 @@
+//! The node watchdog's view of etcd: a snapshot of live keys and down certificates, then a
+//! watch from the snapshot's revision + 1, following the coordinator's pattern:
+//!
+//! - A broken watch (etcd restart, member down) is re-created from the last seen revision
+//!   + 1, so nothing that happened meanwhile is missed.
+//! - A compacted start revision means events are lost: reload from a fresh snapshot.
+//!
+//! Only what the watchdog needs leaves this module, as [`SyncMsg`]s.
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use rootrank_core::{GroupId, Incarnation, KeyKind, Keys, Rank, RankLive};
+use rootrank_store::etcd_client::{Client, EventType, WatchOptions};
+use rootrank_store::Backoff;
+use tokio::sync::mpsc;
+use tracing::{debug, info, warn};
+
+/// One incarnation of one rank.
+pub(crate) type IncarnationId = (GroupId, Rank, Incarnation);
+
+/// A live key as the watchdog needs it.
+#[derive(Clone, Debug)]
+pub(crate) struct LiveKv {
+    pub group: GroupId,
+    pub rank: Rank,
+    pub record: RankLive,
+    /// The live key's lease: the incarnation.
+    pub lease: i64,
+    /// The live key's mod revision: when this incarnation registered.
+    pub mod_revision: i64,
+}
+
+#[derive(Debug)]
+pub(crate) enum SyncMsg {
+    /// Everything at one revision (at start, and after a compaction).
+    Snapshot {
+        lives: Vec<LiveKv>,
+        certified: HashSet<IncarnationId>,
+        revision: i64,
+    },
+    Live(LiveKv),
+    /// A live key was deleted; `lease` is the deleted value's lease when etcd said.
+    LiveGone {
+        group: GroupId,
+        rank: Rank,
+        lease: Option<i64>,
+    },
+    Certified(IncarnationId),
+    /// A certificate's retention lease ran out: forget it (bounded memory).
+    CertificateGone(IncarnationId),
+}
+
+fn live_kv(keys: &Keys, key: &[u8], value: &[u8], lease: i64, mod_revision: i64) -> Option<LiveKv> {
+    let KeyKind::Live { group, rank } = keys.parse(key)? else {
+        return None;
+    };
+    match RankLive::parse(value) {
+        Ok(record) if record.rank == rank && record.group == group => Some(LiveKv {
+            group,
+            rank,
+            record,
+            lease,
+            mod_revision,
+        }),
+        Ok(_) => {
+            debug!(key = %String::from_utf8_lossy(key), "live record disagrees with its key; skipped");
+            None
+        }
+        Err(e) => {
+            debug!(key = %String::from_utf8_lossy(key), error = %e, "malformed live record; skipped");
+            None
+        }
+    }
+}
+
+fn down_id(keys: &Keys, key: &[u8]) -> Option<IncarnationId> {
+    match keys.parse(key)? {
+        KeyKind::Down {
+            group,
+            rank,
+            incarnation,
+        } => Some((group, rank, incarnation)),
+        _ => None,
+    }
+}
+
+/// Runs until the receiver is dropped.
+pub(crate) async fn run(endpoints: Vec<String>, prefix: String, tx: mpsc::UnboundedSender<SyncMsg>) {
+    let keys = Keys::new(&prefix);
+    let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(2));
+    let mut client: Option<Client> = None;
+    let mut revision: Option<i64> = None;
+    loop {
+        if tx.is_closed() {
+            return;
+        }
+        let c = match &client {
+            Some(c) => c.clone(),
+            None => match rootrank_store::connect(&endpoints).await {
+                Ok(c) => client.insert(c).clone(),
+                Err(e) => {
+                    warn!(error = %e, "node watchdog cannot reach etcd; retrying");
+                    tokio::time::sleep(backoff.next_pause()).await;
+                    continue;
+                }
+            },
+        };
+        let rev = match revision {
+            Some(r) => r,
+            None => match load(&keys, c.clone(), &tx).await {
+                Ok(r) => r,
+                Err(e) => {
+                    warn!(error = %e, "snapshot failed; retrying");
+                    tokio::time::sleep(backoff.next_pause()).await;
+                    continue;
+                }
+            },
+        };
+        match watch(&keys, c, rev, &tx, &mut backoff).await {
+            End::Compacted => {
+                warn!("watch start revision was compacted; reloading from a fresh snapshot");
+                revision = None;
+            }
+            End::Broken(last, why) => {
+                revision = Some(last);
+                debug!(why, "watch broke; re-creating from the last revision + 1");
+                tokio::time::sleep(backoff.next_pause()).await;
+            }
+            End::Closed => return,
+        }
+    }
+}
+
+async fn load(
+    keys: &Keys,
+    mut client: Client,
+    tx: &mpsc::UnboundedSender<SyncMsg>,
+) -> Result<i64, rootrank_store::etcd_client::Error> {
+    let (events, revision) = rootrank_store::snapshot(&mut client, &format!("{}/groups/", keys.prefix()), 0).await?;
+    let mut lives = Vec::new();
+    let mut certified = HashSet::new();
+    for ev in events {
+        let rootrank_core::Event::Put {
+            key,
+            value,
+            lease,
+            revision,
+            ..
+        } = ev
+        else {
+            continue;
+        };
+        if let Some(l) = live_kv(keys, &key, &value, lease, revision) {
+            lives.push(l);
+        } else if let Some(id) = down_id(keys, &key) {
+            certified.insert(id);
+        }
+    }
+    info!(
+        revision,
+        live = lives.len(),
+        certificates = certified.len(),
+        "node watchdog loaded the ranks from etcd"
+    );
+    let _ = tx.send(SyncMsg::Snapshot {
+        lives,
+        certified,
+        revision,
+    });
+    Ok(revision)
+}
+
+enum End {
+    Compacted,
+    /// Broken, with the last revision seen.
+    Broken(i64, String),
+    Closed,
+}
+
+async fn watch(
+    keys: &Keys,
+    mut client: Client,
+    mut revision: i64,
+    tx: &mpsc::UnboundedSender<SyncMsg>,
+    backoff: &mut Backoff,
+) -> End {
+    let opts = WatchOptions::new()
+        .with_prefix()
+        .with_start_revision(revision + 1)
+        .with_prev_key()
+        .with_progress_notify();
+    let mut stream = match client.watch(format!("{}/groups/", keys.prefix()), Some(opts)).await {
+        Ok(stream) => stream,
+        Err(e) => return End::Broken(revision, e.to_string()),
+    };
+    loop {
+        let msg = match stream.message().await {
+            Ok(Some(m)) => m,
+            Ok(None) => return End::Broken(revision, "watch stream ended".into()),
+            Err(e) => return End::Broken(revision, e.to_string()),
+        };
+        if msg.compact_revision() > 0 {
+            return End::Compacted;
+        }
+        if msg.canceled() {
+            return End::Broken(revision, format!("watch canceled: {}", msg.cancel_reason()));
+        }
+        if msg.created() {
+            backoff.reset();
+        }
+        for ev in msg.events() {
+            let Some(kv) = ev.kv() else { continue };
+            revision = revision.max(kv.mod_revision());
+            let out = match ev.event_type() {
+                EventType::Put => live_kv(keys, kv.key(), kv.value(), kv.lease(), kv.mod_revision())
+                    .map(SyncMsg::Live)
+                    .or_else(|| down_id(keys, kv.key()).map(SyncMsg::Certified)),
+                EventType::Delete => match keys.parse(kv.key()) {
+                    Some(KeyKind::Live { group, rank }) => Some(SyncMsg::LiveGone {
+                        group,
+                        rank,
+                        lease: ev.prev_kv().map(|p| p.lease()),
+                    }),
+                    _ => down_id(keys, kv.key()).map(SyncMsg::CertificateGone),
+                },
+            };
+            if let Some(m) = out {
+                if tx.send(m).is_err() {
+                    return End::Closed;
+                }
+            }
+        }
+        // A progress notification (no events) says nothing changed up to its revision.
+        if msg.events().is_empty() {
+            if let Some(h) = msg.header() {
+                revision = revision.max(h.revision());
+            }
+        }
+    }
+}

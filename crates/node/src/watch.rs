@@ -1,0 +1,399 @@
+//! `rootrank node-watch`: one per host. Learns the ranks of this host from their live
+//! records, watches each process with a pidfd, and when one exits writes a `source:
+//! watchdog` down certificate for its incarnation within milliseconds.
+//!
+//! A death is reported once per incarnation: incarnations that already have a certificate
+//! (in etcd, or written by this process) are neither watched nor reported, and
+//! `put_certificate` is create-if-absent on top of that, so a restarted watchdog or a
+//! replayed watch cannot write twice.
+
+use std::collections::{HashMap, HashSet};
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rootrank_core::records::{DownSource, ExitInfo as CoreExit, RankDown, SCHEMA_VERSION};
+use rootrank_core::{time, GroupId, Incarnation, Rank, Reason};
+use rootrank_watchdog::{ExitObserved, KernelLog, PidWatch, ProcessExit, ProcessWatcher};
+use tokio::sync::mpsc;
+use tracing::{debug, info, info_span, warn, Instrument};
+
+use crate::certs::{CertWriter, Written};
+use crate::host::{self, HostIdentity};
+use crate::sync::{self, IncarnationId, LiveKv, SyncMsg};
+use crate::NodeError;
+
+/// How `rootrank node-watch` runs.
+#[derive(Clone, Debug)]
+pub struct NodeWatchConfig {
+    pub endpoints: Vec<String>,
+    pub prefix: String,
+    /// How long certificates are kept (default 600 s, as the agent's records).
+    pub retention: Duration,
+    /// How long a rank under `rootrank run` is left to its supervisor, which knows the exit
+    /// status and the stderr tail, before the watchdog reports it itself (default 2 s).
+    pub supervisor_grace: Duration,
+    /// This host; `None`: read it from /proc.
+    pub host: Option<HostIdentity>,
+    /// The kernel log device (`None`: /dev/kmsg; another path for a bind mount).
+    pub kernel_log: Option<std::path::PathBuf>,
+}
+
+impl NodeWatchConfig {
+    pub fn new(endpoints: Vec<String>) -> Self {
+        NodeWatchConfig {
+            endpoints,
+            prefix: "/rootrank/v1".to_string(),
+            retention: Duration::from_secs(600),
+            supervisor_grace: Duration::from_secs(2),
+            host: None,
+            kernel_log: None,
+        }
+    }
+}
+
+type WatchKey = (GroupId, Rank);
+
+/// One watched rank process.
+#[derive(Clone, Debug)]
+struct Watched {
+    id: IncarnationId,
+    pid: u32,
+    registered_revision: i64,
+    gpu: Option<String>,
+    host: Option<String>,
+    /// Added from the first snapshot: an exit found at once means the rank died while no
+    /// watchdog was looking.
+    at_start: bool,
+    /// The `rootrank run` supervisor above the process (its parent or a few levels up),
+    /// read when the watch starts: once the child is reaped, /proc no longer says.
+    supervisor: Option<u32>,
+}
+
+/// A death ready to be written.
+struct Report {
+    down: RankDown,
+    /// When the exit was noticed, to log how long reporting took.
+    noticed_at: Instant,
+}
+
+/// Runs the watchdog until `shutdown` resolves.
+pub async fn run(config: NodeWatchConfig, shutdown: impl Future<Output = ()>) -> Result<(), NodeError> {
+    if config.endpoints.is_empty() {
+        return Err(rootrank_store::StoreError::NoEndpoints.into());
+    }
+    let me = match config.host.clone().or_else(HostIdentity::current) {
+        Some(h) => h,
+        None => {
+            return Err(NodeError::Config(
+                "cannot read this host's name from /proc/sys/kernel/hostname".into(),
+            ))
+        }
+    };
+    info!(host = %me.hostname, boot_id = me.boot_id.as_deref().unwrap_or("-"), "node watchdog starting");
+    // Said once, here, when the kernel log cannot be read; deaths are still reported, from
+    // the cgroup counters and what the pidfd says.
+    let kernel = Arc::new(match &config.kernel_log {
+        None => KernelLog::open_or_unavailable(),
+        Some(path) => KernelLog::open_path(path).unwrap_or_else(|e| {
+            warn!(error = %e, path = %path.display(), "kernel log unavailable; continuing without it");
+            KernelLog::unavailable()
+        }),
+    });
+
+    let (sync_tx, mut sync_rx) = mpsc::unbounded_channel();
+    let sync_task = tokio::spawn(sync::run(config.endpoints.clone(), config.prefix.clone(), sync_tx));
+
+    let (report_tx, report_rx) = mpsc::unbounded_channel::<Report>();
+    let (written_tx, mut written_rx) = mpsc::unbounded_channel::<IncarnationId>();
+    let writer = tokio::spawn(write_reports(
+        CertWriter::new(config.endpoints.clone(), &config.prefix, config.retention),
+        report_rx,
+        written_tx,
+    ));
+
+    let (watcher, mut exits) = ProcessWatcher::<WatchKey>::new();
+    let mut state = State {
+        me,
+        config,
+        kernel,
+        watcher,
+        watched: HashMap::new(),
+        certified: HashSet::new(),
+        reported: HashSet::new(),
+        loaded: false,
+        report_tx,
+        warned_no_pid: HashSet::new(),
+    };
+
+    tokio::pin!(shutdown);
+    loop {
+        tokio::select! {
+            // Deaths first: they are what this process is for.
+            biased;
+            Some(exit) = exits.recv() => state.on_exit(exit),
+            Some(msg) = sync_rx.recv() => state.on_sync(msg),
+            Some(id) = written_rx.recv() => { state.certified.insert(id); }
+            () = &mut shutdown => break,
+        }
+    }
+    info!("node watchdog stopping");
+    sync_task.abort();
+    writer.abort();
+    Ok(())
+}
+
+struct State {
+    me: HostIdentity,
+    config: NodeWatchConfig,
+    kernel: Arc<KernelLog>,
+    watcher: ProcessWatcher<WatchKey>,
+    watched: HashMap<WatchKey, Watched>,
+    /// Incarnations with a certificate in etcd.
+    certified: HashSet<IncarnationId>,
+    /// Incarnations this process reported (written or still being written).
+    reported: HashSet<IncarnationId>,
+    loaded: bool,
+    report_tx: mpsc::UnboundedSender<Report>,
+    warned_no_pid: HashSet<WatchKey>,
+}
+
+impl State {
+    fn done(&self, id: &IncarnationId) -> bool {
+        self.certified.contains(id) || self.reported.contains(id)
+    }
+
+    fn unwatch(&mut self, key: &WatchKey) {
+        if self.watched.remove(key).is_some() {
+            self.watcher.remove(key);
+        }
+    }
+
+    fn on_sync(&mut self, msg: SyncMsg) {
+        match msg {
+            SyncMsg::Snapshot {
+                lives,
+                certified,
+                revision,
+            } => {
+                let at_start = !self.loaded;
+                self.loaded = true;
+                self.certified = certified;
+                // After a reload, drop watches whose incarnation is no longer live.
+                let present: HashSet<IncarnationId> = lives
+                    .iter()
+                    .filter_map(|l| Some((l.group.clone(), l.rank, Incarnation::new(l.lease).ok()?)))
+                    .collect();
+                let stale: Vec<WatchKey> = self
+                    .watched
+                    .iter()
+                    .filter(|(_, w)| !present.contains(&w.id) || self.certified.contains(&w.id))
+                    .map(|(k, _)| k.clone())
+                    .collect();
+                for k in stale {
+                    self.unwatch(&k);
+                }
+                debug!(revision, "snapshot applied");
+                for l in lives {
+                    self.consider(l, at_start);
+                }
+            }
+            SyncMsg::Live(l) => self.consider(l, false),
+            SyncMsg::LiveGone { group, rank, lease } => {
+                let key = (group, rank);
+                let same = self
+                    .watched
+                    .get(&key)
+                    .is_some_and(|w| lease.is_none_or(|l| l == w.id.2.lease_id()));
+                if same {
+                    // Lease expired or revoked: that incarnation is over either way (its
+                    // death, if any, is the coordinator's or already ours).
+                    self.unwatch(&key);
+                }
+            }
+            SyncMsg::Certified(id) => {
+                let key = (id.0.clone(), id.1);
+                if self.watched.get(&key).is_some_and(|w| w.id == id) {
+                    // The rank (e.g. its agent at a clean shutdown) or its supervisor said
+                    // it first; nothing left for us to add.
+                    self.unwatch(&key);
+                }
+                self.certified.insert(id);
+            }
+            SyncMsg::CertificateGone(id) => {
+                self.certified.remove(&id);
+                self.reported.remove(&id);
+            }
+        }
+    }
+
+    fn consider(&mut self, l: LiveKv, at_start: bool) {
+        let key = (l.group.clone(), l.rank);
+        if !self.me.is_local(&l.record) {
+            // A rank that moved to another host is no longer ours to watch.
+            self.unwatch(&key);
+            return;
+        }
+        let Ok(incarnation) = Incarnation::new(l.lease) else {
+            debug!(group = %l.group, rank = l.rank, "live key without a lease; not a rank incarnation");
+            return;
+        };
+        let id = (l.group.clone(), l.rank, incarnation);
+        if self.watched.get(&key).is_some_and(|w| w.id == id) {
+            return; // the same incarnation re-published its record
+        }
+        if self.done(&id) {
+            self.unwatch(&key);
+            return;
+        }
+        let Some(pid) = l.record.pid else {
+            if self.warned_no_pid.insert(key.clone()) {
+                warn!(group = %l.group, rank = l.rank, "live record has no pid; cannot watch this rank");
+            }
+            return;
+        };
+        let w = Watched {
+            id,
+            pid,
+            registered_revision: l.mod_revision,
+            gpu: l.record.gpu.clone(),
+            host: l.record.host.clone(),
+            at_start,
+            supervisor: host::supervisor_of(pid),
+        };
+        // A new incarnation of the same rank replaces the watch on the old one.
+        self.unwatch(&key);
+        if host::pid_reused_since(pid, l.record.started_at.as_deref()) {
+            warn!(group = %l.group, rank = l.rank, pid, "pid now belongs to a process that started after the rank registered; the rank is gone");
+            let exit = ProcessExit {
+                key: key.clone(),
+                pid,
+                exit: None,
+                observed: ExitObserved::PidReused,
+                watched_since: Instant::now(),
+                noticed_at: Instant::now(),
+                start_time: None,
+                cgroup_oom: None,
+            };
+            self.report(w, exit);
+            return;
+        }
+        self.watched.insert(key.clone(), w);
+        match self.watcher.add(key.clone(), pid) {
+            Ok(()) => info!(
+                group = %l.group,
+                rank = l.rank,
+                pid,
+                incarnation = %incarnation,
+                "watching {}/{} pid {pid} incarnation {incarnation}",
+                l.group,
+                l.rank
+            ),
+            Err(e) => {
+                self.watched.remove(&key);
+                warn!(group = %l.group, rank = l.rank, pid, error = %e, "cannot watch this rank's process (node-watch needs the host pid namespace and permission to open pidfds)");
+            }
+        }
+    }
+
+    fn on_exit(&mut self, exit: ProcessExit<WatchKey>) {
+        // Only the watch currently held for the key may report (a replaced one is stale).
+        if self.watched.get(&exit.key).is_none_or(|w| w.pid != exit.pid) {
+            return;
+        }
+        if let Some(w) = self.watched.remove(&exit.key) {
+            self.report(w, exit);
+        }
+    }
+
+    fn report(&mut self, w: Watched, exit: ProcessExit<WatchKey>) {
+        if self.done(&w.id) {
+            return;
+        }
+        self.reported.insert(w.id.clone());
+        let kernel = Arc::clone(&self.kernel);
+        let tx = self.report_tx.clone();
+        let grace = self.config.supervisor_grace;
+        let supervisor = w.supervisor.filter(|_| exit.observed == ExitObserved::Exited);
+        let span = info_span!("death", group = %w.id.0, rank = w.id.1, incarnation = %w.id.2, pid = w.pid);
+        tokio::spawn(
+            async move {
+                let c = rootrank_watchdog::diagnose(&exit, &kernel, w.gpu.as_deref()).await;
+                let detail = if w.at_start && exit.observed == ExitObserved::AlreadyGone {
+                    "process was already gone when the watchdog started (status unknown)".to_string()
+                } else {
+                    c.detail
+                };
+                if let Some(sup) = supervisor {
+                    wait_for_supervisor(sup, grace).await;
+                }
+                let Ok(reason) = Reason::new(c.reason) else {
+                    return;
+                };
+                let down = RankDown {
+                    v: SCHEMA_VERSION,
+                    group: w.id.0.clone(),
+                    rank: w.id.1,
+                    incarnation: w.id.2,
+                    reason,
+                    detail,
+                    source: DownSource::Watchdog,
+                    at: Some(time::format_ms(rootrank_store::unix_ms())),
+                    exit: exit.exit.map(|x| CoreExit {
+                        code: x.code,
+                        signal: x.signal,
+                    }),
+                    log_tail: None,
+                    host: w.host.clone(),
+                    pid: Some(w.pid),
+                    observed_revision: None,
+                    registered_revision: Some(w.registered_revision).filter(|r| *r > 0),
+                };
+                let _ = tx.send(Report {
+                    down,
+                    noticed_at: exit.noticed_at,
+                });
+            }
+            .instrument(span),
+        );
+    }
+}
+
+/// Gives a `rootrank run` supervisor the first word on its child's death, until it exits or
+/// `grace` passes. Its certificate then stands and ours is a create-if-absent no-op.
+async fn wait_for_supervisor(pid: u32, grace: Duration) {
+    match PidWatch::open(pid) {
+        Ok(w) => {
+            if tokio::time::timeout(grace, w.exited()).await.is_err() {
+                debug!(supervisor = pid, "supervisor still running after the grace; reporting");
+            }
+        }
+        Err(e) => debug!(supervisor = pid, error = %e, "supervisor already gone"),
+    }
+}
+
+/// Writes reports in order, each until etcd takes it (a death seen while etcd is down is
+/// written when it is back), and says which incarnations are now certified.
+async fn write_reports(
+    mut writer: CertWriter,
+    mut rx: mpsc::UnboundedReceiver<Report>,
+    written: mpsc::UnboundedSender<IncarnationId>,
+) {
+    writer.warm_up().await;
+    while let Some(Report { down, noticed_at }) = rx.recv().await {
+        let span = info_span!("certificate", group = %down.group, rank = down.rank, incarnation = %down.incarnation);
+        let outcome = writer.write(&down, None).instrument(span.clone()).await;
+        span.in_scope(|| match outcome {
+            Written::Yes => info!(
+                reason = %down.reason,
+                detail = %down.detail,
+                pid = down.pid.unwrap_or(0),
+                since_exit_us = noticed_at.elapsed().as_micros() as u64,
+                "down certificate written"
+            ),
+            Written::AlreadyCertified => info!("incarnation already had a certificate; kept it"),
+            Written::GaveUp => warn!("down certificate not written"),
+        });
+        let _ = written.send((down.group.clone(), down.rank, down.incarnation));
+    }
+}

@@ -1,0 +1,353 @@
+//! `rootrank run` around real processes: exit statuses, stderr tails and signals reach the
+//! certificate and the verdict, and the supervisor exits as its child did.
+
+mod node_common;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use node_common::{list, wait_certificate, NodeWatch, BIN};
+use rootrank_testkit::{eventually, signal, Coordinator, Etcd, Rank};
+
+fn run_cmd(endpoint: &str, group: &str, rank: u32, size: u32, extra: &[&str], cmd: &[&str]) -> Command {
+    let mut c = Command::new(BIN);
+    c.args(["run", "--etcd-endpoints", endpoint, "--group", group])
+        .args(["--rank", &rank.to_string(), "--group-size", &size.to_string()])
+        .args(extra)
+        .arg("--")
+        .args(cmd)
+        .env("ROOTRANK_LOG", "info")
+        .env("NO_COLOR", "1");
+    c
+}
+
+/// Reads the incarnation id of the current certificate(s) of a rank.
+async fn only_certificate(endpoint: &str, group: &str, rank: u32) -> anyhow::Result<node_common::Stored> {
+    let certs = eventually(Duration::from_secs(30), "a certificate", || async {
+        list(endpoint, &node_common::down_prefix(group, rank))
+            .await
+            .ok()
+            .filter(|v| !v.is_empty())
+    })
+    .await?;
+    assert_eq!(certs.len(), 1, "{certs:?}");
+    Ok(certs[0].clone())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn traceback_and_exit_code_reach_the_verdict() -> anyhow::Result<()> {
+    let etcd = Etcd::start()?;
+    let ep = etcd.endpoint();
+    let coord = Coordinator::start(&ep, &[]).await?;
+    let script = r#"echo "hello from stdout"; sleep 0.5; echo "Traceback (most recent call last):" >&2; echo '  File "scheduler.py", line 42, in event_loop' >&2; echo "RuntimeError: CUDA out of memory" >&2; exit 3"#;
+    let out = run_cmd(
+        &ep,
+        "prefill-0",
+        1,
+        2,
+        &["--agent-grace-ms", "100", "--lease-ttl-ms", "30000"],
+        &["sh", "-c", script],
+    )
+    .stdin(Stdio::null())
+    .output()?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(
+        out.status.code(),
+        Some(3),
+        "rootrank run exits with the child's code; stderr:\n{stderr}"
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("hello from stdout"),
+        "stdout passes through"
+    );
+    assert!(
+        stderr.contains("RuntimeError: CUDA out of memory"),
+        "stderr passes through:\n{stderr}"
+    );
+
+    let cert = only_certificate(&ep, "prefill-0", 1).await?;
+    let c = &cert.value;
+    assert_eq!(c["source"], "supervisor", "{c}");
+    assert_eq!(c["reason"], "process_exit", "{c}");
+    assert_eq!(c["exit"]["code"], 3, "{c}");
+    assert!(c["exit"]["signal"].is_null(), "{c}");
+    let tail: Vec<String> = serde_json::from_value(c["log_tail"].clone())?;
+    assert_eq!(
+        tail.iter().rev().take(3).rev().cloned().collect::<Vec<_>>(),
+        vec![
+            "Traceback (most recent call last):".to_string(),
+            "  File \"scheduler.py\", line 42, in event_loop".to_string(),
+            "RuntimeError: CUDA out of memory".to_string(),
+        ],
+        "{c}"
+    );
+    // The supervisor registered on the shell's behalf and revoked that lease after the
+    // certificate: no live key is left behind.
+    assert!(list(&ep, &node_common::live_key("prefill-0", 1)).await?.is_empty());
+
+    let mut survivor = Rank::start(&ep, "prefill-0", 0, 2, 30_000)?;
+    survivor.fail(5, "propagated", "nixl_error", "NIXL KVSender Exception")?;
+    survivor.flush()?;
+    let (status, v) = coord.get("/v1/rooms/5/verdict?wait_ms=20000").await?;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["status"], "resolved", "{v}");
+    assert_eq!(v["culprit"]["rank"], 1, "{v}");
+    assert_eq!(v["culprit"]["source"], "down_certificate", "{v}");
+    let culprit_tail = v["culprit"]["log_tail"].as_array().cloned().unwrap_or_default();
+    assert!(
+        culprit_tail.iter().any(|l| l == "Traceback (most recent call last):")
+            && culprit_tail.iter().any(|l| l == "RuntimeError: CUDA out of memory"),
+        "{v}"
+    );
+    Ok(())
+}
+
+/// Starts `rootrank run -- rootrank rank` and returns (supervisor, child pid, incarnation).
+fn run_rank_with_agent(ep: &str, group: &str, rank: u32) -> anyhow::Result<(std::process::Child, u32, String)> {
+    let mut sup = run_cmd(ep, group, rank, 1, &[], &[BIN, "rank", "--lease-ttl-ms", "30000"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()?;
+    let stdout = sup.stdout.take().ok_or_else(|| anyhow::anyhow!("no stdout"))?;
+    let mut line = String::new();
+    BufReader::new(stdout).read_line(&mut line)?;
+    // "registered incarnation=N pid=P", from the child, through the supervisor.
+    let mut inc = None;
+    let mut pid = None;
+    for w in line.split_whitespace() {
+        if let Some(v) = w.strip_prefix("incarnation=") {
+            inc = Some(v.to_string());
+        }
+        if let Some(v) = w.strip_prefix("pid=") {
+            pid = v.parse().ok();
+        }
+    }
+    match (pid, inc) {
+        (Some(p), Some(i)) => Ok((sup, p, i)),
+        _ => anyhow::bail!("unexpected first line from the supervised rank: {line:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkilled_child_with_its_own_agent() -> anyhow::Result<()> {
+    let etcd = Etcd::start()?;
+    let ep = etcd.endpoint();
+    let (mut sup, child_pid, incarnation) = run_rank_with_agent(&ep, "decode-0", 0)?;
+    assert_ne!(
+        child_pid,
+        sup.id(),
+        "the rank is the supervisor's child, not the supervisor"
+    );
+    // The child's agent logs its registration to stderr just after it tells stdout: wait
+    // for that line to pass through before the kill, so the tail has something to show.
+    let stderr = sup.stderr.take().ok_or_else(|| anyhow::anyhow!("no stderr"))?;
+    let (seen_tx, seen_rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            if line.contains("rank registered") {
+                let _ = seen_tx.send(());
+            }
+        }
+    });
+    seen_rx.recv_timeout(Duration::from_secs(20))?;
+    signal(child_pid, libc::SIGKILL);
+    let status = sup.wait()?;
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(
+        status.code(),
+        Some(128 + 9),
+        "rootrank run exits 128+signal ({status:?}, {:?})",
+        status.signal()
+    );
+
+    // The certificate is for the child's own incarnation (its agent's lease).
+    let cert = wait_certificate(&ep, "decode-0", 0, &incarnation).await?;
+    let c = &cert.value;
+    assert_eq!(c["source"], "supervisor", "{c}");
+    assert_eq!(c["reason"], "process_exit", "{c}");
+    assert_eq!(c["exit"]["signal"], 9, "{c}");
+    assert!(c["exit"]["code"].is_null(), "{c}");
+    assert!(c["detail"].as_str().is_some_and(|d| d.contains("SIGKILL")), "{c}");
+    assert_eq!(c["pid"], child_pid, "{c}");
+    let tail: Vec<String> = serde_json::from_value(c["log_tail"].clone())?;
+    assert!(
+        tail.iter().any(|l| l.contains("rank registered")),
+        "the child's stderr: {tail:?}"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_is_forwarded_and_reported() -> anyhow::Result<()> {
+    let etcd = Etcd::start()?;
+    let ep = etcd.endpoint();
+    let mut sup = run_cmd(
+        &ep,
+        "prefill-1",
+        0,
+        1,
+        &["--agent-grace-ms", "0"],
+        &["sh", "-c", "echo ready; exec sleep 60"],
+    )
+    .stdin(Stdio::null())
+    .stdout(Stdio::piped())
+    .spawn()?;
+    let mut line = String::new();
+    BufReader::new(sup.stdout.take().ok_or_else(|| anyhow::anyhow!("no stdout"))?).read_line(&mut line)?;
+    assert_eq!(line.trim(), "ready");
+    // Registered on the child's behalf (grace 0): wait for the live key before the signal.
+    eventually(Duration::from_secs(20), "the supervisor's registration", || async {
+        list(&ep, &node_common::live_key("prefill-1", 0))
+            .await
+            .ok()
+            .filter(|v| !v.is_empty())
+    })
+    .await?;
+    signal(sup.id(), libc::SIGTERM);
+    let status = sup.wait()?;
+    assert_eq!(status.code(), Some(128 + 15), "{status:?}");
+    let cert = only_certificate(&ep, "prefill-1", 0).await?;
+    assert_eq!(cert.value["source"], "supervisor", "{:?}", cert);
+    assert_eq!(cert.value["exit"]["signal"], 15, "{:?}", cert);
+    assert_eq!(cert.value["reason"], "process_exit", "{:?}", cert);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clean_exit_is_a_shutdown() -> anyhow::Result<()> {
+    let etcd = Etcd::start()?;
+    let ep = etcd.endpoint();
+    let out = run_cmd(
+        &ep,
+        "prefill-2",
+        0,
+        1,
+        &["--agent-grace-ms", "0"],
+        &["sh", "-c", "sleep 0.2; exit 0"],
+    )
+    .stdin(Stdio::null())
+    .output()?;
+    assert_eq!(out.status.code(), Some(0));
+    let cert = only_certificate(&ep, "prefill-2", 0).await?;
+    assert_eq!(cert.value["reason"], "shutdown", "{:?}", cert);
+    assert_eq!(cert.value["exit"]["code"], 0, "{:?}", cert);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn watchdog_leaves_a_supervised_death_to_the_supervisor() -> anyhow::Result<()> {
+    let etcd = Etcd::start()?;
+    let ep = etcd.endpoint();
+    let watch = NodeWatch::start(&ep)?;
+    let (mut sup, child_pid, incarnation) = run_rank_with_agent(&ep, "prefill-3", 0)?;
+    watch.wait_watching("prefill-3", 0, child_pid).await?;
+    signal(child_pid, libc::SIGKILL);
+    let status = sup.wait()?;
+    assert_eq!(status.code(), Some(137));
+    let cert = wait_certificate(&ep, "prefill-3", 0, &incarnation).await?;
+    // The supervisor's certificate (with the exit status and the tail) stands; the
+    // watchdog's create-if-absent after its grace changed nothing.
+    assert_eq!(cert.value["source"], "supervisor", "{:?}\n{}", cert, watch.log_text());
+    assert_eq!(cert.value["exit"]["signal"], 9);
+    // The watchdog gave up its turn once the supervisor exited: wait for its word on it.
+    eventually(Duration::from_secs(20), "the watchdog's answer", || {
+        let log = watch.log_text();
+        async move { log.contains("already had a certificate").then_some(()) }
+    })
+    .await?;
+    let cert = wait_certificate(&ep, "prefill-3", 0, &incarnation).await?;
+    assert_eq!(cert.version, 1, "written once: {cert:?}");
+    assert_eq!(cert.value["source"], "supervisor");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exit_before_any_registration_is_still_certified() -> anyhow::Result<()> {
+    let etcd = Etcd::start()?;
+    let ep = etcd.endpoint();
+    // Dies long before the (default 3 s) agent grace: nothing ever registered it.
+    let out = run_cmd(
+        &ep,
+        "prefill-4",
+        0,
+        1,
+        &[],
+        &["sh", "-c", "echo 'ImportError: no module named sglang' >&2; exit 4"],
+    )
+    .stdin(Stdio::null())
+    .output()?;
+    assert_eq!(out.status.code(), Some(4));
+    let cert = only_certificate(&ep, "prefill-4", 0).await?;
+    assert_eq!(cert.value["source"], "supervisor", "{cert:?}");
+    assert_eq!(cert.value["exit"]["code"], 4, "{cert:?}");
+    assert_eq!(
+        cert.value["log_tail"][0], "ImportError: no module named sglang",
+        "{cert:?}"
+    );
+    assert!(
+        list(&ep, &node_common::live_key("prefill-4", 0)).await?.is_empty(),
+        "no live record for a dead process"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rank_under_a_launcher_keeps_its_own_incarnation() -> anyhow::Result<()> {
+    let etcd = Etcd::start()?;
+    let ep = etcd.endpoint();
+    // The rank is a grandchild (sh is the launcher, and not exec'ing it); its agent's live
+    // record names the grandchild's pid. The supervisor must take that incarnation as the
+    // rank's, not register over it once the grace is out.
+    let script = format!("{BIN} rank --lease-ttl-ms 30000; echo 'launcher: rank died' >&2; exit 7");
+    let mut sup = run_cmd(
+        &ep,
+        "prefill-5",
+        0,
+        1,
+        &["--agent-grace-ms", "300"],
+        &["sh", "-c", &script],
+    )
+    .stdin(Stdio::piped())
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()?;
+    let mut line = String::new();
+    BufReader::new(sup.stdout.take().ok_or_else(|| anyhow::anyhow!("no stdout"))?).read_line(&mut line)?;
+    let field = |name: &str| {
+        line.split_whitespace()
+            .find_map(|w| w.strip_prefix(name))
+            .map(str::to_string)
+            .ok_or_else(|| anyhow::anyhow!("no {name} in {line:?}"))
+    };
+    let incarnation = field("incarnation=")?;
+    let rank_pid: u32 = field("pid=")?.parse()?;
+    let stderr = sup.stderr.take().ok_or_else(|| anyhow::anyhow!("no stderr"))?;
+    let (seen_tx, seen_rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            if line.contains("the rank process registered itself") {
+                let _ = seen_tx.send(());
+            }
+        }
+    });
+    seen_rx.recv_timeout(Duration::from_secs(20))?;
+
+    signal(rank_pid, libc::SIGKILL);
+    let status = sup.wait()?;
+    assert_eq!(status.code(), Some(7), "the launcher's status");
+    let cert = only_certificate(&ep, "prefill-5", 0).await?;
+    let c = &cert.value;
+    assert_eq!(
+        c["incarnation"],
+        incarnation.as_str(),
+        "the rank's own incarnation: {c}"
+    );
+    assert_eq!(c["pid"], rank_pid, "{c}");
+    assert_eq!(c["source"], "supervisor", "{c}");
+    assert_eq!(c["exit"]["code"], 7, "{c}");
+    let tail: Vec<String> = serde_json::from_value(c["log_tail"].clone())?;
+    assert_eq!(tail.last().map(String::as_str), Some("launcher: rank died"), "{c}");
+    Ok(())
+}
