@@ -381,8 +381,13 @@ async fn write_certificate(
         }
         .await;
         match res {
-            Ok(_) => {
-                info!(reason = %down.reason, incarnation = %incarnation, "down certificate written");
+            Ok(written) => {
+                if written {
+                    info!(reason = %down.reason, incarnation = %incarnation, "down certificate written");
+                } else {
+                    // A supervisor or watchdog certified this incarnation first; theirs stands.
+                    info!(reason = %down.reason, incarnation = %incarnation, "down certificate already present; kept");
+                }
                 backoff.reset();
                 return;
             }
