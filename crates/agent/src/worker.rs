@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use rootrank_core::records::{DownSource, RankDown, RankLive, RoomFailure, SCHEMA_VERSION};
 use rootrank_core::{time, Incarnation, Keys, Reason};
 use rootrank_store::etcd_client::{Client, PutOptions};
-use rootrank_store::{Backoff, RetentionLeases};
+use rootrank_store::{Backoff, LazyClient, Retained, RetainedWriter, Written};
 use tokio::sync::{mpsc, watch};
 use tracing::{debug, info, info_span, warn, Instrument};
 
@@ -135,12 +135,7 @@ async fn liveness(
             .map(|a| a.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
             .unwrap_or_default();
         for (suffix, value) in attached {
-            let key = format!(
-                "{}/groups/{}/ranks/{}/{suffix}",
-                keys.prefix(),
-                config.group,
-                config.rank
-            );
+            let key = keys.rank_attachment(&config.group, config.rank, &suffix);
             if let Err(e) = client.put(key, value, Some(opts.clone())).await {
                 warn!(error = %e, suffix, "agent could not re-attach a key to its new lease");
             }
@@ -197,15 +192,37 @@ async fn liveness(
 /// entered the queue is lost to an etcd restart.
 async fn publisher(
     config: AgentConfig,
-    mut client: Client,
+    client: Client,
     shared: Arc<Shared>,
     attachments: Attachments,
     registered_revision: Arc<AtomicI64>,
     mut rx: mpsc::Receiver<Command>,
 ) {
     let keys = Keys::new(&config.prefix);
-    let mut retention = RetentionLeases::new(config.retention);
-    let mut backoff = Backoff::new(Duration::from_millis(20), Duration::from_secs(1));
+    let mut attach_client = client.clone();
+    let mut writer = RetainedWriter::new(
+        LazyClient::connected(config.endpoints.clone(), client),
+        config.retention,
+    );
+    let certify =
+        |reason: Reason, detail: String, log_tail: Option<Vec<String>>, at_ms: i64, incarnation: Incarnation| {
+            RankDown {
+                v: SCHEMA_VERSION,
+                group: config.group.clone(),
+                rank: config.rank,
+                incarnation,
+                reason,
+                detail,
+                source: DownSource::Agent,
+                at: Some(time::format_ms(at_ms)),
+                exit: None,
+                log_tail,
+                host: config.host.clone(),
+                pid: Some(config.pid),
+                observed_revision: None,
+                registered_revision: Some(registered_revision.load(Ordering::SeqCst)).filter(|r| *r > 0),
+            }
+        };
     while let Some(cmd) = rx.recv().await {
         match cmd {
             Command::Failure(f) => {
@@ -224,29 +241,19 @@ async fn publisher(
                 };
                 let key = keys.room(&config.group, f.room, config.rank);
                 let value = serde_json::to_vec(&rec).unwrap_or_default();
-                loop {
-                    let res = async {
-                        let lease = retention.lease(&mut client).await?;
-                        rootrank_store::create_if_absent(&mut client, &key, value.clone(), Some(lease)).await
-                    }
+                let written = writer
+                    .write(
+                        Retained::Record {
+                            key: &key,
+                            value: &value,
+                        },
+                        None,
+                    )
+                    .instrument(span.clone())
                     .await;
-                    match res {
-                        Ok(written) => {
-                            shared.stats.published.fetch_add(1, Ordering::Relaxed);
-                            span.in_scope(|| debug!(written, "room failure published"));
-                            backoff.reset();
-                            break;
-                        }
-                        Err(e) => {
-                            if rootrank_store::is_lease_not_found(&e) {
-                                retention.invalidate();
-                            }
-                            shared.stats.retries.fetch_add(1, Ordering::Relaxed);
-                            span.in_scope(|| debug!(error = %e, "room failure not yet published; retrying"));
-                            tokio::time::sleep(backoff.next_pause()).await;
-                        }
-                    }
-                }
+                shared.stats.published.fetch_add(1, Ordering::Relaxed);
+                shared.stats.retries.store(writer.retries(), Ordering::Relaxed);
+                span.in_scope(|| debug!(?written, "room failure published"));
             }
             Command::Down {
                 reason,
@@ -254,34 +261,19 @@ async fn publisher(
                 log_tail,
                 at_ms,
             } => {
-                write_certificate(
-                    &config,
-                    &keys,
-                    &mut client,
-                    &shared,
-                    &registered_revision,
-                    &mut retention,
-                    &mut backoff,
-                    reason,
-                    detail,
-                    log_tail,
-                    at_ms,
-                )
-                .await;
+                let down = certify(reason, detail, log_tail, at_ms, wait_incarnation(&shared).await);
+                write_certificate(&keys, &mut writer, &down).await;
+                shared.stats.retries.store(writer.retries(), Ordering::Relaxed);
             }
             Command::Attach { suffix, value } => {
                 if let Ok(mut a) = attachments.lock() {
                     a.insert(suffix.clone(), value.clone());
                 }
                 let lease = wait_incarnation(&shared).await;
-                let key = format!(
-                    "{}/groups/{}/ranks/{}/{suffix}",
-                    keys.prefix(),
-                    config.group,
-                    config.rank
-                );
+                let key = keys.rank_attachment(&config.group, config.rank, &suffix);
+                let mut backoff = Backoff::new(Duration::from_millis(20), Duration::from_secs(1));
                 let mut tries = 0;
-                while let Err(e) = client
+                while let Err(e) = attach_client
                     .put(
                         key.clone(),
                         value.clone(),
@@ -304,23 +296,17 @@ async fn publisher(
             Command::Shutdown { clean, done } => {
                 if clean {
                     let reason = Reason::well_known(rootrank_core::ids::reasons::SHUTDOWN);
-                    write_certificate(
-                        &config,
-                        &keys,
-                        &mut client,
-                        &shared,
-                        &registered_revision,
-                        &mut retention,
-                        &mut backoff,
+                    let down = certify(
                         reason,
                         "clean exit".into(),
                         None,
                         rootrank_store::unix_ms(),
-                    )
-                    .await;
+                        wait_incarnation(&shared).await,
+                    );
+                    write_certificate(&keys, &mut writer, &down).await;
                     let lease = shared.incarnation.load(Ordering::SeqCst);
                     if lease > 0 {
-                        if let Err(e) = client.lease_revoke(lease).await {
+                        if let Err(e) = attach_client.lease_revoke(lease).await {
                             warn!(error = %e, "could not revoke the liveness lease; it will expire");
                         }
                     }
@@ -342,62 +328,11 @@ async fn wait_incarnation(shared: &Shared) -> Incarnation {
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-async fn write_certificate(
-    config: &AgentConfig,
-    keys: &Keys,
-    client: &mut Client,
-    shared: &Shared,
-    registered_revision: &AtomicI64,
-    retention: &mut RetentionLeases,
-    backoff: &mut Backoff,
-    reason: Reason,
-    detail: String,
-    log_tail: Option<Vec<String>>,
-    at_ms: i64,
-) {
-    let incarnation = wait_incarnation(shared).await;
-    let down = RankDown {
-        v: SCHEMA_VERSION,
-        group: config.group.clone(),
-        rank: config.rank,
-        incarnation,
-        reason,
-        detail,
-        source: DownSource::Agent,
-        at: Some(time::format_ms(at_ms)),
-        exit: None,
-        log_tail,
-        host: config.host.clone(),
-        pid: Some(config.pid),
-        observed_revision: None,
-        registered_revision: Some(registered_revision.load(Ordering::SeqCst)).filter(|r| *r > 0),
-    };
-    let key = keys.down(&config.group, config.rank, incarnation);
-    loop {
-        let res = async {
-            let lease = retention.lease(client).await?;
-            rootrank_store::put_certificate(client, &key, &down, Some(lease)).await
-        }
-        .await;
-        match res {
-            Ok(written) => {
-                if written {
-                    info!(reason = %down.reason, incarnation = %incarnation, "down certificate written");
-                } else {
-                    // A supervisor or watchdog certified this incarnation first; theirs stands.
-                    info!(reason = %down.reason, incarnation = %incarnation, "down certificate already present; kept");
-                }
-                backoff.reset();
-                return;
-            }
-            Err(e) => {
-                if rootrank_store::is_lease_not_found(&e) {
-                    retention.invalidate();
-                }
-                shared.stats.retries.fetch_add(1, Ordering::Relaxed);
-                tokio::time::sleep(backoff.next_pause()).await;
-            }
-        }
+async fn write_certificate(keys: &Keys, writer: &mut RetainedWriter, down: &RankDown) {
+    let key = keys.down(&down.group, down.rank, down.incarnation);
+    match writer.write(Retained::Certificate { key: &key, down }, None).await {
+        Written::Yes => info!(reason = %down.reason, incarnation = %down.incarnation, "down certificate written"),
+        // A supervisor or watchdog certified this incarnation first; theirs stands.
+        _ => info!(reason = %down.reason, incarnation = %down.incarnation, "down certificate already present; kept"),
     }
 }

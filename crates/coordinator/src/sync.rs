@@ -14,7 +14,7 @@ use std::time::Duration;
 use rootrank_core::records::{DownSource, RankDown, SCHEMA_VERSION};
 use rootrank_core::{time, Event, Index, Keys, Output, Reason};
 use rootrank_store::etcd_client::{Client, EventType, WatchOptions};
-use rootrank_store::{Backoff, RetentionLeases};
+use rootrank_store::{Backoff, LazyClient, Retained, RetainedWriter};
 use tokio::sync::mpsc;
 use tracing::{debug, info, warn};
 
@@ -254,9 +254,7 @@ fn handle_outputs(
 /// Persists vanished live keys as coordinator certificates, retrying until etcd takes them.
 async fn certificate_writer(config: CoordinatorConfig, mut rx: mpsc::UnboundedReceiver<Output>) {
     let keys = Keys::new(&config.index.prefix);
-    let mut retention = RetentionLeases::new(config.retention);
-    let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(2));
-    let mut client: Option<Client> = None;
+    let mut writer = RetainedWriter::new(LazyClient::new(config.endpoints.clone()), config.retention);
     while let Some(o) = rx.recv().await {
         let Output::LiveKeyVanished {
             group,
@@ -289,35 +287,9 @@ async fn certificate_writer(config: CoordinatorConfig, mut rx: mpsc::UnboundedRe
             registered_revision: Some(registered_revision),
         };
         let key = keys.down(&group, rank, incarnation);
-        loop {
-            let c = match &mut client {
-                Some(c) => c,
-                None => match rootrank_store::connect(&config.endpoints).await {
-                    Ok(c) => client.insert(c),
-                    Err(_) => {
-                        tokio::time::sleep(backoff.next_pause()).await;
-                        continue;
-                    }
-                },
-            };
-            let res = async {
-                let lease = retention.lease(c).await?;
-                rootrank_store::put_certificate(c, &key, &down, Some(lease)).await
-            }
+        let written = writer
+            .write(Retained::Certificate { key: &key, down: &down }, None)
             .await;
-            match res {
-                Ok(_) => {
-                    backoff.reset();
-                    break;
-                }
-                Err(e) => {
-                    if rootrank_store::is_lease_not_found(&e) {
-                        retention.invalidate();
-                    }
-                    debug!(error = %e, key, "certificate not yet written; retrying");
-                    tokio::time::sleep(backoff.next_pause()).await;
-                }
-            }
-        }
+        debug!(key, ?written, "lease_expired certificate");
     }
 }

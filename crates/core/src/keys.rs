@@ -62,7 +62,11 @@ impl Keys {
         format!("{}/groups/{group}/ranks/{rank}/down/{incarnation}", self.prefix)
     }
     pub fn nixl(&self, group: &GroupId, rank: Rank) -> String {
-        format!("{}/groups/{group}/ranks/{rank}/nixl", self.prefix)
+        self.rank_attachment(group, rank, "nixl")
+    }
+    /// A key an agent keeps on its rank's liveness lease (`nixl` is the one rootrank uses).
+    pub fn rank_attachment(&self, group: &GroupId, rank: Rank, suffix: &str) -> String {
+        format!("{}/groups/{group}/ranks/{rank}/{suffix}", self.prefix)
     }
     pub fn room(&self, group: &GroupId, room: RoomId, rank: Rank) -> String {
         format!("{}/groups/{group}/rooms/{room}/ranks/{rank}", self.prefix)

@@ -259,7 +259,7 @@ async fn supervise_inner(config: SuperviseConfig) -> Result<SupervisedExit, Node
     let written = writer.write(&down, Some(Instant::now() + config.report_timeout)).await;
     match written {
         Written::Yes => info!(incarnation = %known.incarnation, reason = %down.reason, "down certificate written"),
-        Written::AlreadyCertified => {
+        Written::AlreadyThere => {
             info!(incarnation = %known.incarnation, "the rank's incarnation already had a certificate; kept it")
         }
         Written::GaveUp => warn!(incarnation = %known.incarnation, "etcd unreachable: down certificate not written"),

@@ -391,7 +391,7 @@ async fn write_reports(
                 since_exit_us = noticed_at.elapsed().as_micros() as u64,
                 "down certificate written"
             ),
-            Written::AlreadyCertified => info!("incarnation already had a certificate; kept it"),
+            Written::AlreadyThere => info!("incarnation already had a certificate; kept it"),
             Written::GaveUp => warn!("down certificate not written"),
         });
         let _ = written.send((down.group.clone(), down.rank, down.incarnation));

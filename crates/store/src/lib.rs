@@ -8,11 +8,15 @@
 //! - [`RetentionLeases`]: records outlive their writer by the retention window, and etcd
 //!   forgets them after it, without ever riding on a liveness lease.
 //! - [`snapshot`]: the whole prefix at one revision, paginated.
+//! - [`RetainedWriter`]: records and certificates written until etcd takes them.
 //! - [`Backoff`]: retry pacing shared by every loop that talks to etcd.
 //! - [`embedded`]: a private etcd process, for `rootrank serve` on one machine and for tests.
 
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
 pub mod embedded;
+mod retained;
+
+pub use retained::{LazyClient, Retained, RetainedWriter, Written};
 
 use std::time::{Duration, Instant};
 
