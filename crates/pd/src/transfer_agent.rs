@@ -202,6 +202,17 @@ impl PdAgent {
         Ok(self.nixl.notifications()?)
     }
 
+    /// Where `peer` publishes its NIXL record (for error messages; the group is validated
+    /// where the key is read).
+    fn peer_key(&self, peer: &PeerRef) -> String {
+        format!(
+            "{}/groups/{}/ranks/{}/{NIXL_SUFFIX}",
+            self.keys.prefix(),
+            peer.group,
+            peer.rank
+        )
+    }
+
     fn read_record(&mut self, peer: &PeerRef) -> Result<Option<(NixlRecord, i64)>, PdError> {
         let group = rootrank_core::GroupId::new(&peer.group).map_err(|e| PdError::Sim(e.to_string()))?;
         let key = self.keys.nixl(&group, peer.rank);
@@ -252,12 +263,7 @@ impl PdAgent {
                     return Err(PdError::PeerMissing {
                         group: peer.group.clone(),
                         rank: peer.rank,
-                        key: format!(
-                            "{}/groups/{}/ranks/{}/{NIXL_SUFFIX}",
-                            self.keys.prefix(),
-                            peer.group,
-                            peer.rank
-                        ),
+                        key: self.peer_key(peer),
                         waited_ms: u64::try_from(within.as_millis()).unwrap_or(u64::MAX),
                     })
                 }
@@ -301,12 +307,7 @@ impl PdAgent {
         let md = crate::hex::decode(&record.metadata_hex).ok_or_else(|| PdError::BadPeerRecord {
             group: peer.group.clone(),
             rank: peer.rank,
-            key: format!(
-                "{}/groups/{}/ranks/{}/{NIXL_SUFFIX}",
-                self.keys.prefix(),
-                peer.group,
-                peer.rank
-            ),
+            key: self.peer_key(peer),
             detail: "metadata_hex is not hex".into(),
         })?;
         // A restarted peer has a new agent name (a new UUID); drop the old one so NIXL closes
