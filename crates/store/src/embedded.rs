@@ -29,6 +29,9 @@ pub struct EtcdOptions {
     /// Client and peer ports; 0 picks free ones.
     pub client_port: u16,
     pub peer_port: u16,
+    /// More etcd flags, appended after rootrank's own (benchmarks raise
+    /// `--quota-backend-bytes` to hold a million records).
+    pub extra_args: Vec<String>,
 }
 
 impl Default for EtcdOptions {
@@ -37,6 +40,7 @@ impl Default for EtcdOptions {
             fast: true,
             client_port: 0,
             peer_port: 0,
+            extra_args: Vec::new(),
         }
     }
 }
@@ -49,6 +53,7 @@ pub struct EmbeddedEtcd {
     client_port: u16,
     peer_port: u16,
     fast: bool,
+    extra_args: Vec<String>,
 }
 
 impl EmbeddedEtcd {
@@ -74,6 +79,7 @@ impl EmbeddedEtcd {
             client_port,
             peer_port,
             fast: opts.fast,
+            extra_args: opts.extra_args.clone(),
         };
         etcd.spawn()?;
         Ok(etcd)
@@ -116,6 +122,7 @@ impl EmbeddedEtcd {
         if self.fast {
             cmd.args(["--heartbeat-interval", "10", "--election-timeout", "100"]);
         }
+        cmd.args(&self.extra_args);
         let mut child = cmd.spawn().map_err(EmbeddedError::Spawn)?;
         let deadline = Instant::now() + Duration::from_secs(20);
         let addr = format!("127.0.0.1:{}", self.client_port);
