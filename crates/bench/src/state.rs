@@ -166,6 +166,8 @@ pub struct KeepAlives {
     pub failed: Arc<AtomicU64>,
     /// Keepalive answers with TTL 0: etcd had already expired the lease.
     pub expired: Arc<AtomicU64>,
+    /// The first failure, for the results.
+    pub first_error: Arc<std::sync::Mutex<Option<String>>>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
 }
 
@@ -175,24 +177,36 @@ impl KeepAlives {
         let sent = Arc::new(AtomicU64::new(0));
         let failed = Arc::new(AtomicU64::new(0));
         let expired = Arc::new(AtomicU64::new(0));
+        let first_error: Arc<std::sync::Mutex<Option<String>>> = Arc::default();
         let mut tasks = Vec::with_capacity(leases.len());
         let hard_stop = Instant::now() + max_run;
         for (i, &id) in leases.iter().enumerate() {
             let mut client = clients[i % clients.len()].clone();
             let (stop, sent, failed, expired) = (stop.clone(), sent.clone(), failed.clone(), expired.clone());
+            let first_error = first_error.clone();
+            let note = move |e: String| {
+                if let Ok(mut f) = first_error.lock() {
+                    f.get_or_insert(e);
+                }
+            };
             // Spread the first renewals over one interval so they do not arrive in one burst.
             let offset = interval.mul_f64((i as f64 / leases.len().max(1) as f64).fract());
             tasks.push(tokio::spawn(async move {
                 tokio::time::sleep(offset).await;
-                let Ok((mut keeper, mut stream)) = client.lease_keep_alive(id).await else {
-                    failed.fetch_add(1, Ordering::Relaxed);
-                    return;
+                let (mut keeper, mut stream) = match client.lease_keep_alive(id).await {
+                    Ok(k) => k,
+                    Err(e) => {
+                        failed.fetch_add(1, Ordering::Relaxed);
+                        note(format!("opening the keepalive stream: {e}"));
+                        return;
+                    }
                 };
                 let mut tick = tokio::time::interval(interval);
                 while !stop.load(Ordering::Relaxed) && Instant::now() < hard_stop {
                     tick.tick().await;
-                    if keeper.keep_alive().await.is_err() {
+                    if let Err(e) = keeper.keep_alive().await {
                         failed.fetch_add(1, Ordering::Relaxed);
+                        note(format!("sending a keepalive: {e}"));
                         return;
                     }
                     sent.fetch_add(1, Ordering::Relaxed);
@@ -202,8 +216,19 @@ impl KeepAlives {
                             return;
                         }
                         Ok(Ok(Some(_))) => {}
-                        _ => {
+                        Ok(Ok(None)) => {
                             failed.fetch_add(1, Ordering::Relaxed);
+                            note("keepalive stream ended".into());
+                            return;
+                        }
+                        Ok(Err(e)) => {
+                            failed.fetch_add(1, Ordering::Relaxed);
+                            note(format!("keepalive answer: {e}"));
+                            return;
+                        }
+                        Err(_) => {
+                            failed.fetch_add(1, Ordering::Relaxed);
+                            note("no keepalive answer in 5 s".into());
                         }
                     }
                 }
@@ -214,6 +239,7 @@ impl KeepAlives {
             sent,
             failed,
             expired,
+            first_error,
             tasks,
         }
     }
