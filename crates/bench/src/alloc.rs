@@ -9,6 +9,17 @@ use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 pub struct Counting;
 
 static ENABLED: AtomicBool = AtomicBool::new(false);
+
+std::thread_local! {
+    // Only the measuring thread counts: runtime threads freeing their own older blocks at the
+    // same time would otherwise blur the figure. Const-initialized, so reading it never
+    // allocates (which an allocator must not do).
+    static HERE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+fn counting() -> bool {
+    ENABLED.load(Ordering::Relaxed) && HERE.try_with(|h| h.get()).unwrap_or(false)
+}
 static LIVE: AtomicI64 = AtomicI64::new(0);
 static PEAK: AtomicI64 = AtomicI64::new(0);
 static ALLOCS: AtomicU64 = AtomicU64::new(0);
@@ -17,20 +28,20 @@ static ALLOCS: AtomicU64 = AtomicU64::new(0);
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         let p = System.alloc(layout);
-        if !p.is_null() && ENABLED.load(Ordering::Relaxed) {
+        if !p.is_null() && counting() {
             add(layout.size() as i64);
         }
         p
     }
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        if ENABLED.load(Ordering::Relaxed) {
+        if counting() {
             LIVE.fetch_sub(layout.size() as i64, Ordering::Relaxed);
         }
         System.dealloc(ptr, layout)
     }
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
         let p = System.realloc(ptr, layout, new_size);
-        if !p.is_null() && ENABLED.load(Ordering::Relaxed) {
+        if !p.is_null() && counting() {
             LIVE.fetch_sub(layout.size() as i64, Ordering::Relaxed);
             add(new_size as i64);
         }
@@ -52,9 +63,11 @@ pub struct Counts {
     pub allocs: u64,
 }
 
-/// Starts counting from zero. Blocks freed later that were allocated before `start` make
-/// `live` a little low; measurements allocate what they measure after `start`.
+/// Starts counting from zero, on the calling thread only. Blocks freed later that were
+/// allocated before `start` make `live` a little low; measurements allocate what they measure
+/// after `start`.
 pub fn start() {
+    HERE.with(|h| h.set(true));
     LIVE.store(0, Ordering::SeqCst);
     PEAK.store(0, Ordering::SeqCst);
     ALLOCS.store(0, Ordering::SeqCst);
@@ -72,6 +85,7 @@ pub fn read() -> Counts {
 pub fn stop() -> Counts {
     let c = read();
     ENABLED.store(false, Ordering::SeqCst);
+    HERE.with(|h| h.set(false));
     c
 }
 

@@ -4,6 +4,7 @@
 
 use std::time::{Duration, Instant};
 
+use anyhow::Context;
 use rootrank_core::{Event, GroupId, Index, IndexConfig, Keys, RoomId};
 use serde_json::{json, Value};
 
@@ -91,7 +92,9 @@ pub async fn run(env: &Env, cfg: &ScaleCfg) -> anyhow::Result<Value> {
             }
             room_list.push((gid.as_str().to_string(), room));
         }
-        written += state::write_all(&clients, puts, 8).await?;
+        written += state::write_all(&clients, puts, 8)
+            .await
+            .with_context(|| format!("writing records ({written} written so far)"))?;
         start = end;
     }
     let records_s = t.elapsed().as_secs_f64();
@@ -102,23 +105,29 @@ pub async fn run(env: &Env, cfg: &ScaleCfg) -> anyhow::Result<Value> {
     let n_live = cfg.groups * cfg.ranks as usize;
     let mut leases = Vec::with_capacity(n_live);
     let mut keepalives = Vec::new();
+    let (mut live_written, mut live_lost) = (0usize, 0usize);
     while leases.len() < n_live {
         let chunk = (n_live - leases.len()).min(2_000);
-        let got = state::grant_leases(&clients, chunk, cfg.ttl_s, 64).await?;
+        let got = state::grant_leases(&clients, chunk, cfg.ttl_s, 64)
+            .await
+            .with_context(|| format!("granting live leases ({} granted so far)", leases.len()))?;
         keepalives.push(KeepAlives::start(&clients, &got, interval, Duration::from_secs(3600)));
-        leases.extend(got);
-    }
-    let mut puts = Vec::with_capacity(n_live);
-    for (g, gid) in gids.iter().enumerate() {
-        for r in 0..cfg.ranks {
+        // The chunk's live keys at once, while their leases are fresh.
+        let first = leases.len();
+        let mut puts = Vec::with_capacity(got.len());
+        for (j, lease) in got.iter().enumerate() {
+            let (g, r) = ((first + j) / cfg.ranks as usize, ((first + j) % cfg.ranks as usize) as u32);
             puts.push(Put {
-                key: keys.live(gid, r),
-                value: state::live_value(gid, r, cfg.ranks, cfg.ttl_s as u64 * 1000)?,
-                lease: Some(leases[g * cfg.ranks as usize + r as usize]),
+                key: keys.live(&gids[g], r),
+                value: state::live_value(&gids[g], r, cfg.ranks, cfg.ttl_s as u64 * 1000)?,
+                lease: Some(*lease),
             });
         }
+        let (ok, lost) = state::write_live(&clients[0], puts).await.context("writing live keys")?;
+        live_written += ok;
+        live_lost += lost;
+        leases.extend(got);
     }
-    state::write_all(&clients, puts, 16).await?;
     let live_s = t.elapsed().as_secs_f64();
 
     // Keepalive load alone: nothing else talks to etcd in this window.
@@ -197,7 +206,9 @@ pub async fn run(env: &Env, cfg: &ScaleCfg) -> anyhow::Result<Value> {
             "etcd_quota_backend_bytes": 8u64 << 30,
         },
         "populate": {
-            "live_keys_s": live_s, "records_s": records_s,
+            "live_keys_s": live_s, "live_keys_written": live_written,
+            "live_keys_lost_lease_expired_before_put": live_lost,
+            "keepalives_needed_per_s": n_live as f64 / interval.as_secs_f64(), "records_s": records_s,
             "records_per_s": if records_s > 0.0 { written as f64 / records_s } else { 0.0 },
         },
         "keepalive_only": {

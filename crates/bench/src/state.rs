@@ -136,6 +136,37 @@ pub async fn write_all(clients: &[Client], puts: Vec<Put>, writers: usize) -> an
     Ok(n)
 }
 
+/// Writes live keys in transactions; when a batch fails because a lease already expired (an
+/// etcd too busy to renew them all), writes that batch key by key and counts the lost ones.
+/// Returns (written, lost).
+pub async fn write_live(client: &Client, puts: Vec<Put>) -> anyhow::Result<(usize, usize)> {
+    let mut client = client.clone();
+    let (mut ok, mut lost) = (0, 0);
+    let mut it = puts.into_iter().peekable();
+    while it.peek().is_some() {
+        let batch: Vec<Put> = it.by_ref().take(TXN_OPS).collect();
+        let ops: Vec<TxnOp> = batch
+            .iter()
+            .map(|p| TxnOp::put(p.key.clone(), p.value.clone(), p.lease.map(|l| PutOptions::new().with_lease(l))))
+            .collect();
+        match client.txn(Txn::new().and_then(ops)).await {
+            Ok(_) => ok += batch.len(),
+            Err(e) if rootrank_store::is_lease_not_found(&e) => {
+                for p in batch {
+                    let opts = p.lease.map(|l| PutOptions::new().with_lease(l));
+                    match client.put(p.key, p.value, opts).await {
+                        Ok(_) => ok += 1,
+                        Err(e) if rootrank_store::is_lease_not_found(&e) => lost += 1,
+                        Err(e) => return Err(e).context("writing a live key"),
+                    }
+                }
+            }
+            Err(e) => return Err(e).context("writing live keys"),
+        }
+    }
+    Ok((ok, lost))
+}
+
 /// Grants `n` leases of `ttl_s`, `parallel` requests in flight.
 pub async fn grant_leases(clients: &[Client], n: usize, ttl_s: i64, parallel: usize) -> anyhow::Result<Vec<i64>> {
     let next = Arc::new(AtomicU64::new(0));
@@ -146,7 +177,21 @@ pub async fn grant_leases(clients: &[Client], n: usize, ttl_s: i64, parallel: us
         tasks.push(tokio::spawn(async move {
             let mut got = Vec::new();
             while next.fetch_add(1, Ordering::Relaxed) < n as u64 {
-                got.push(client.lease_grant(ttl_s, None).await?.id());
+                let mut tries = 0;
+                loop {
+                    match client.lease_grant(ttl_s, None).await {
+                        Ok(r) => {
+                            got.push(r.id());
+                            break;
+                        }
+                        Err(e) if tries < 5 => {
+                            tries += 1;
+                            tracing::debug!(error = %e, "lease grant failed; retrying");
+                            tokio::time::sleep(Duration::from_millis(200)).await;
+                        }
+                        Err(e) => return Err(e).context("granting a lease"),
+                    }
+                }
             }
             Ok::<_, anyhow::Error>(got)
         }));
@@ -327,11 +372,21 @@ pub async fn populate(
     })
 }
 
-/// Several connections to one etcd.
+/// Several connections to one etcd. Bulk loading gets a longer request timeout than
+/// rootrank's own 2 s (`rootrank_store::REQUEST_TIMEOUT`): an etcd busy renewing tens of
+/// thousands of leases answers a 128-op transaction slowly, and a timeout would only retry it.
 pub async fn clients(endpoint: &str, n: usize) -> anyhow::Result<Vec<Client>> {
+    use rootrank_store::etcd_client::ConnectOptions;
     let mut out = Vec::with_capacity(n);
     for _ in 0..n.max(1) {
-        out.push(rootrank_store::connect(&[endpoint.to_string()]).await?);
+        let opts = ConnectOptions::new()
+            .with_connect_timeout(Duration::from_secs(5))
+            .with_timeout(Duration::from_secs(30));
+        out.push(
+            Client::connect([endpoint], Some(opts))
+                .await
+                .with_context(|| format!("connecting to etcd at {endpoint}"))?,
+        );
     }
     Ok(out)
 }
