@@ -98,6 +98,28 @@ pub async fn run(env: &Env, cfg: &ScaleCfg) -> anyhow::Result<Value> {
         start = end;
     }
     let records_s = t.elapsed().as_secs_f64();
+    // Let etcd apply its backlog before the leases: a linearizable read waits for it.
+    let t = Instant::now();
+    let mut c0 = clients[0].clone();
+    while t.elapsed() < Duration::from_secs(120) {
+        let s = Instant::now();
+        let ok = c0
+            .get(
+                keys.root(),
+                Some(
+                    rootrank_store::etcd_client::GetOptions::new()
+                        .with_keys_only()
+                        .with_limit(1),
+                ),
+            )
+            .await
+            .is_ok();
+        if ok && s.elapsed() < Duration::from_millis(50) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let settle_s = t.elapsed().as_secs_f64();
 
     // Live keys: leases granted in chunks, each chunk kept alive at once (as agents do, TTL/3),
     // so early leases do not expire while later ones are still being granted.
@@ -116,14 +138,19 @@ pub async fn run(env: &Env, cfg: &ScaleCfg) -> anyhow::Result<Value> {
         let first = leases.len();
         let mut puts = Vec::with_capacity(got.len());
         for (j, lease) in got.iter().enumerate() {
-            let (g, r) = ((first + j) / cfg.ranks as usize, ((first + j) % cfg.ranks as usize) as u32);
+            let (g, r) = (
+                (first + j) / cfg.ranks as usize,
+                ((first + j) % cfg.ranks as usize) as u32,
+            );
             puts.push(Put {
                 key: keys.live(&gids[g], r),
                 value: state::live_value(&gids[g], r, cfg.ranks, cfg.ttl_s as u64 * 1000)?,
                 lease: Some(*lease),
             });
         }
-        let (ok, lost) = state::write_live(&clients[0], puts).await.context("writing live keys")?;
+        let (ok, lost) = state::write_live(&clients[0], puts)
+            .await
+            .context("writing live keys")?;
         live_written += ok;
         live_lost += lost;
         leases.extend(got);
@@ -152,6 +179,9 @@ pub async fn run(env: &Env, cfg: &ScaleCfg) -> anyhow::Result<Value> {
 
     let coord = Coordinator::start(env, &endpoint, PREFIX, Duration::from_secs(600)).await?;
     let load_s = coord.start_to_ready.as_secs_f64();
+    // The coordinator's own CPU for the whole load: the rest of the wall time is waiting on etcd.
+    let load_cpu_s = crate::util::cpu_seconds(coord.pid).unwrap_or(f64::NAN);
+    let live_seen = live_ranks(&coord.url).await.unwrap_or(0);
     tokio::time::sleep(Duration::from_millis(500)).await;
     let (rss_loaded, hwm_loaded) = rss_bytes(coord.pid)?;
     let index_rooms = metric(&coord.url, "rootrank_index_rooms").await.unwrap_or(f64::NAN);
@@ -206,7 +236,7 @@ pub async fn run(env: &Env, cfg: &ScaleCfg) -> anyhow::Result<Value> {
             "etcd_quota_backend_bytes": 8u64 << 30,
         },
         "populate": {
-            "live_keys_s": live_s, "live_keys_written": live_written,
+            "settle_s": settle_s, "live_keys_s": live_s, "live_keys_written": live_written,
             "live_keys_lost_lease_expired_before_put": live_lost,
             "keepalives_needed_per_s": n_live as f64 / interval.as_secs_f64(), "records_s": records_s,
             "records_per_s": if records_s > 0.0 { written as f64 / records_s } else { 0.0 },
@@ -220,7 +250,8 @@ pub async fn run(env: &Env, cfg: &ScaleCfg) -> anyhow::Result<Value> {
             "total_sent": sent, "failed": failed, "expired_leases": expired, "first_error": first_error,
         },
         "coordinator": {
-            "start_to_ready_s": load_s,
+            "start_to_ready_s": load_s, "cpu_s_at_ready": load_cpu_s,
+            "live_ranks_seen_at_ready": live_seen,
             "empty_rss_bytes": empty_rss,
             "loaded_rss_bytes": rss_loaded, "loaded_hwm_bytes": hwm_loaded,
             "rss_after_verdict_load_bytes": rss_after_load, "hwm_after_verdict_load_bytes": hwm_after_load,
@@ -234,6 +265,20 @@ pub async fn run(env: &Env, cfg: &ScaleCfg) -> anyhow::Result<Value> {
         },
         "core_index": core,
     }))
+}
+
+/// Live ranks the coordinator knows, over all groups.
+async fn live_ranks(url: &str) -> Option<u64> {
+    let http = crate::util::http_client(Duration::from_secs(30)).ok()?;
+    let v: Value = http
+        .get(format!("{url}/v1/groups"))
+        .send()
+        .await
+        .ok()?
+        .json()
+        .await
+        .ok()?;
+    Some(v["groups"].as_array()?.iter().filter_map(|g| g["live"].as_u64()).sum())
 }
 
 /// The Prometheus value of an unlabelled metric.

@@ -147,7 +147,13 @@ pub async fn write_live(client: &Client, puts: Vec<Put>) -> anyhow::Result<(usiz
         let batch: Vec<Put> = it.by_ref().take(TXN_OPS).collect();
         let ops: Vec<TxnOp> = batch
             .iter()
-            .map(|p| TxnOp::put(p.key.clone(), p.value.clone(), p.lease.map(|l| PutOptions::new().with_lease(l))))
+            .map(|p| {
+                TxnOp::put(
+                    p.key.clone(),
+                    p.value.clone(),
+                    p.lease.map(|l| PutOptions::new().with_lease(l)),
+                )
+            })
             .collect();
         match client.txn(Txn::new().and_then(ops)).await {
             Ok(_) => ok += batch.len(),
@@ -238,42 +244,47 @@ impl KeepAlives {
             let offset = interval.mul_f64((i as f64 / leases.len().max(1) as f64).fract());
             tasks.push(tokio::spawn(async move {
                 tokio::time::sleep(offset).await;
-                let (mut keeper, mut stream) = match client.lease_keep_alive(id).await {
-                    Ok(k) => k,
-                    Err(e) => {
-                        failed.fetch_add(1, Ordering::Relaxed);
-                        note(format!("opening the keepalive stream: {e}"));
-                        return;
-                    }
-                };
-                let mut tick = tokio::time::interval(interval);
-                while !stop.load(Ordering::Relaxed) && Instant::now() < hard_stop {
-                    tick.tick().await;
-                    if let Err(e) = keeper.keep_alive().await {
-                        failed.fetch_add(1, Ordering::Relaxed);
-                        note(format!("sending a keepalive: {e}"));
-                        return;
-                    }
-                    sent.fetch_add(1, Ordering::Relaxed);
-                    match tokio::time::timeout(Duration::from_secs(5), stream.message()).await {
-                        Ok(Ok(Some(r))) if r.ttl() <= 0 => {
-                            expired.fetch_add(1, Ordering::Relaxed);
-                            return;
-                        }
-                        Ok(Ok(Some(_))) => {}
-                        Ok(Ok(None)) => {
+                // Like an agent: a broken keepalive stream is re-opened after a pause, so an
+                // overloaded etcd shows as failures and a lower rate, not as silent give-ups.
+                'stream: while !stop.load(Ordering::Relaxed) && Instant::now() < hard_stop {
+                    let (mut keeper, mut stream) = match client.lease_keep_alive(id).await {
+                        Ok(k) => k,
+                        Err(e) => {
                             failed.fetch_add(1, Ordering::Relaxed);
-                            note("keepalive stream ended".into());
-                            return;
+                            note(format!("opening the keepalive stream: {e}"));
+                            tokio::time::sleep(interval).await;
+                            continue 'stream;
                         }
-                        Ok(Err(e)) => {
+                    };
+                    let mut tick = tokio::time::interval(interval);
+                    while !stop.load(Ordering::Relaxed) && Instant::now() < hard_stop {
+                        tick.tick().await;
+                        if let Err(e) = keeper.keep_alive().await {
                             failed.fetch_add(1, Ordering::Relaxed);
-                            note(format!("keepalive answer: {e}"));
-                            return;
+                            note(format!("sending a keepalive: {e}"));
+                            continue 'stream;
                         }
-                        Err(_) => {
-                            failed.fetch_add(1, Ordering::Relaxed);
-                            note("no keepalive answer in 5 s".into());
+                        sent.fetch_add(1, Ordering::Relaxed);
+                        match tokio::time::timeout(Duration::from_secs(5), stream.message()).await {
+                            Ok(Ok(Some(r))) if r.ttl() <= 0 => {
+                                expired.fetch_add(1, Ordering::Relaxed);
+                                return;
+                            }
+                            Ok(Ok(Some(_))) => {}
+                            Ok(Ok(None)) => {
+                                failed.fetch_add(1, Ordering::Relaxed);
+                                note("keepalive stream ended".into());
+                                continue 'stream;
+                            }
+                            Ok(Err(e)) => {
+                                failed.fetch_add(1, Ordering::Relaxed);
+                                note(format!("keepalive answer: {e}"));
+                                continue 'stream;
+                            }
+                            Err(_) => {
+                                failed.fetch_add(1, Ordering::Relaxed);
+                                note("no keepalive answer in 5 s".into());
+                            }
                         }
                     }
                 }
