@@ -26,8 +26,8 @@ pub struct IngestCfg {
 impl IngestCfg {
     pub fn full() -> Self {
         IngestCfg {
-            agents: 32,
-            rates: vec![500, 1_000, 2_000, 5_000, 10_000, 20_000, 40_000],
+            agents: 128,
+            rates: vec![500, 1_000, 2_000, 5_000, 10_000, 20_000],
             duration: Duration::from_secs(6),
             probe_rate: 50.0,
         }
