@@ -237,7 +237,7 @@ pub async fn run(env: &Env, cfg: &ScaleCfg) -> anyhow::Result<Value> {
         },
         "populate": {
             "settle_s": settle_s, "live_keys_s": live_s, "live_keys_written": live_written,
-            "live_keys_lost_lease_expired_before_put": live_lost,
+            "live_keys_lost": live_lost,
             "keepalives_needed_per_s": n_live as f64 / interval.as_secs_f64(), "records_s": records_s,
             "records_per_s": if records_s > 0.0 { written as f64 / records_s } else { 0.0 },
         },
