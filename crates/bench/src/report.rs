@@ -319,7 +319,12 @@ pub fn markdown(results: &Value) -> String {
             ),
             (
                 "coordinator start to /readyz",
-                format!("{} s", num(&c["start_to_ready_s"], 2)),
+                format!(
+                    "{} s (coordinator CPU in that time: {} s, the rest is waiting on etcd; live ranks seen at ready: {})",
+                    num(&c["start_to_ready_s"], 2),
+                    num(&c["cpu_s_at_ready"], 2),
+                    c["live_ranks_seen_at_ready"]
+                ),
             ),
             (
                 "coordinator RSS empty / loaded / peak (HWM)",
@@ -382,8 +387,23 @@ pub fn markdown(results: &Value) -> String {
                 ),
             ),
             (
+                "keepalives needed / achieved",
+                format!(
+                    "{} /s needed (leases / interval), {} /s achieved; live keys written {}, lost {}",
+                    num(&p["keepalives_needed_per_s"], 0),
+                    num(&k["keepalives_per_s"], 0),
+                    p["live_keys_written"],
+                    p["live_keys_lost"]
+                ),
+            ),
+            (
                 "keepalive failures / expired leases",
-                format!("{} / {}", k["failed"], k["expired_leases"]),
+                format!(
+                    "{} / {} (first error: {})",
+                    k["failed"],
+                    k["expired_leases"],
+                    k["first_error"].as_str().unwrap_or("none")
+                ),
             ),
             ("etcd RSS", format!("{:.0} MiB", f(&k["etcd_rss_bytes"]) / 1048576.0)),
         ];

@@ -206,7 +206,12 @@ pub async fn grant_leases(clients: &[Client], n: usize, ttl_s: i64, parallel: us
                             tracing::debug!(error = %e, "lease grant failed; retrying");
                             tokio::time::sleep(Duration::from_millis(200)).await;
                         }
-                        Err(e) => return Err(e).context("granting a lease"),
+                        // An etcd overloaded by keepalives times grants out: that lease is
+                        // skipped (the caller sees fewer leases than asked), not fatal.
+                        Err(e) => {
+                            tracing::debug!(error = %e, "lease grant failed; skipped");
+                            break;
+                        }
                     }
                 }
             }
