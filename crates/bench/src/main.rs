@@ -93,7 +93,8 @@ enum Cmd {
         ranks: u32,
         #[arg(long, default_value_t = 1_000_000)]
         records: usize,
-        #[arg(long, default_value_t = 5)]
+        /// Live lease TTL (30 s by default: see ScaleCfg::full for why not 5 s).
+        #[arg(long, default_value_t = 30)]
         ttl_s: i64,
         #[arg(long, default_value = "10s")]
         keepalive_window: String,

@@ -31,7 +31,12 @@ impl ScaleCfg {
             ranks: 16,
             records: 1_000_000,
             records_per_room: 8,
-            ttl_s: 5,
+            // Not the agents' 5 s default: 32,000 leases at 5 s need 19,200 keepalives/s, and
+            // the etcd of a 2-core machine sustains about 6,000/s; its range reads then take
+            // over 2 s, and the coordinator's snapshot (2 s per page, restarted from scratch on
+            // any page timeout) never finishes. 30 s (3,200/s) keeps etcd able to serve the
+            // load. `--ttl-s 5` reproduces the overload.
+            ttl_s: 30,
             keepalive_window: Duration::from_secs(10),
             verdict_duration: Duration::from_secs(10),
             conns: 16,
