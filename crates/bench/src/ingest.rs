@@ -1,0 +1,267 @@
+//! Part 2: ingest. Many agents publish room records at rising offered rates; probes measure the
+//! lag from etcd commit to the verdict being visible at the coordinator; CPU of coordinator and
+//! etcd per record shows where the bottleneck is.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use rootrank_agent::{Agent, AgentConfig, AgentError};
+use rootrank_core::{GroupId, Keys, Origin, RoomId};
+use serde_json::{json, Value};
+
+use crate::procs::{self, Coordinator, Env};
+use crate::util::{CpuMark, Dist};
+
+#[derive(Clone, Debug)]
+pub struct IngestCfg {
+    pub agents: usize,
+    pub rates: Vec<u64>,
+    pub duration: Duration,
+    /// Lag probes per second during each stage.
+    pub probe_rate: f64,
+}
+
+impl IngestCfg {
+    pub fn full() -> Self {
+        IngestCfg {
+            agents: 128,
+            rates: vec![500, 1_000, 2_000, 5_000, 10_000, 20_000],
+            duration: Duration::from_secs(6),
+            probe_rate: 50.0,
+        }
+    }
+    pub fn smoke() -> Self {
+        IngestCfg {
+            agents: 8,
+            rates: vec![200],
+            duration: Duration::from_secs(1),
+            probe_rate: 20.0,
+        }
+    }
+}
+
+const PREFIX: &str = crate::verdicts::PREFIX;
+const RANKS: usize = 8;
+
+pub async fn run(env: &Env, cfg: &IngestCfg) -> anyhow::Result<Value> {
+    let dir = env.subdir("ingest")?;
+    let etcd = procs::start_etcd(&dir, &[])?;
+    let endpoint = etcd.endpoint();
+    let etcd_pid = procs::etcd_pid(&etcd)?;
+    let coord = Coordinator::start(env, &endpoint, PREFIX, Duration::from_secs(30)).await?;
+    let groups = cfg.agents.div_ceil(RANKS).max(1);
+    let agents = tokio::task::spawn_blocking({
+        let endpoint = endpoint.clone();
+        let n = cfg.agents.max(1);
+        move || start_agents(&endpoint, n)
+    })
+    .await??;
+    let agents = Arc::new(agents);
+    let mut probe_client = rootrank_store::connect(std::slice::from_ref(&endpoint)).await?;
+    let probe_lease = probe_client.lease_grant(3600, None).await?.id();
+    let http = crate::util::http_client(Duration::from_secs(10))?;
+    let me = std::process::id();
+    let pids = [coord.pid, etcd_pid, me];
+    let mut stages = Vec::new();
+    for (stage, &rate) in cfg.rates.iter().enumerate() {
+        let published_before = published(&agents);
+        let mark = CpuMark::take(&pids);
+        let started = Instant::now();
+        // The driver paces record_failure calls on an OS thread, as ranks' own threads would.
+        let driver = {
+            let agents = agents.clone();
+            let duration = cfg.duration;
+            std::thread::spawn(move || drive(&agents, groups, rate, duration, 100 + stage as u64))
+        };
+        let probes = probe_stage(
+            &coord.url,
+            &http,
+            &probe_client,
+            probe_lease,
+            cfg.probe_rate,
+            cfg.duration,
+            5_000 + stage as u64,
+        )
+        .await;
+        let (enqueued, dropped) = tokio::task::spawn_blocking(move || driver.join())
+            .await?
+            .map_err(|_| anyhow::anyhow!("driver thread panicked"))?;
+        let sent_s = started.elapsed().as_secs_f64();
+        // Drain: wait (bounded) until the agents have written everything they accepted.
+        let drain_deadline = Instant::now() + Duration::from_secs(30);
+        while published(&agents) - published_before < enqueued && Instant::now() < drain_deadline {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let written = published(&agents) - published_before;
+        let (cpu, wall) = mark.since(&pids);
+        let (lag_ack, lag_sent, put_lat, probe_failures) = probes?;
+        let achieved = written as f64 / wall;
+        let per = |c: f64| if written > 0 { c * 1e6 / written as f64 } else { 0.0 };
+        let saturated = achieved < 0.9 * rate as f64 || dropped > 0 || wall > sent_s + 2.0;
+        stages.push(json!({
+            "offered_rate": rate,
+            "enqueued": enqueued,
+            "dropped_queue_full": dropped,
+            "written": written,
+            "wall_s": wall,
+            "drain_s": wall - sent_s,
+            "achieved_rate": achieved,
+            "saturated": saturated,
+            "lag_commit_to_visible": lag_ack,
+            "lag_send_to_visible": lag_sent,
+            "probe_put_latency": put_lat,
+            "probe_failures": probe_failures,
+            "cpu": {
+                "coordinator_s": cpu[0], "etcd_s": cpu[1], "bench_and_agents_s": cpu[2],
+                "coordinator_cores": cpu[0] / wall, "etcd_cores": cpu[1] / wall, "bench_and_agents_cores": cpu[2] / wall,
+                "coordinator_us_per_record": per(cpu[0]), "etcd_us_per_record": per(cpu[1]),
+                "bench_and_agents_us_per_record": per(cpu[2]),
+            },
+        }));
+        if saturated {
+            break;
+        }
+    }
+    let agents = Arc::try_unwrap(agents).map_err(|_| anyhow::anyhow!("agents still shared"))?;
+    tokio::task::spawn_blocking(move || {
+        for a in agents {
+            a.shutdown(Duration::from_secs(2));
+        }
+    })
+    .await?;
+    Ok(json!({
+        "setup": {
+            "agents": cfg.agents, "groups": groups, "ranks_per_group": RANKS, "stage_s": cfg.duration.as_secs_f64(),
+            "records_per_room": RANKS, "probe_rate_per_s": cfg.probe_rate,
+            "how": "agents (Agent::start, one thread + etcd connection each) in the bench process; each room gets 1 local + 7 propagated records from one group's ranks; probes: a long-poll verdict (wait_ms) is opened, then the probe's record is written with create-if-absent; lag = verdict answer - put response (commit acknowledged), clamped at 0",
+        },
+        "stages": stages,
+    }))
+}
+
+fn start_agents(endpoint: &str, n: usize) -> anyhow::Result<Vec<Agent>> {
+    let mut agents = Vec::with_capacity(n);
+    for i in 0..n {
+        let group = format!("ingest-{}", i / RANKS);
+        let mut cfg = AgentConfig::new(vec![endpoint.to_string()], &group, (i % RANKS) as u64, RANKS as u64)?;
+        cfg.queue_capacity = 100_000;
+        agents.push(Agent::start(cfg)?);
+    }
+    for a in &agents {
+        a.wait_registered(Duration::from_secs(30))
+            .context("an agent did not register in 30 s")?;
+    }
+    Ok(agents)
+}
+
+fn published(agents: &[Agent]) -> u64 {
+    agents.iter().map(|a| a.stats().published.load(Ordering::Relaxed)).sum()
+}
+
+/// Offers `rate` records/s for `duration`; returns (enqueued, dropped).
+fn drive(agents: &[Agent], groups: usize, rate: u64, duration: Duration, salt: u64) -> (u64, u64) {
+    let start = Instant::now();
+    let mut sent = 0u64;
+    let mut dropped = 0u64;
+    let mut k = 0u64; // record counter: room k / RANKS, rank k % RANKS
+    let per_group = RANKS.min(agents.len()).max(1);
+    while start.elapsed() < duration {
+        let due = (rate as f64 * start.elapsed().as_secs_f64()) as u64;
+        if sent + dropped >= due {
+            std::thread::sleep(Duration::from_micros(500));
+            continue;
+        }
+        for _ in 0..(due - sent - dropped).min(1_000) {
+            let room_i = k / per_group as u64;
+            let rank = (k % per_group as u64) as usize;
+            let g = (room_i as usize) % groups;
+            let room = crate::state::room_id(salt, room_i);
+            let local = rank == (room_i as usize % per_group);
+            let (origin, reason) = if local {
+                (Origin::Local, "nixl_error")
+            } else {
+                (Origin::Propagated, "other")
+            };
+            let idx = (g * RANKS + rank).min(agents.len() - 1);
+            match agents[idx].record_failure(room, origin, reason, "rootrank-bench ingest", None) {
+                Ok(()) => sent += 1,
+                Err(AgentError::QueueFull { .. }) => dropped += 1,
+                Err(_) => dropped += 1,
+            }
+            k += 1;
+        }
+    }
+    (sent, dropped)
+}
+
+type ProbeOut = (Dist, Dist, Dist, u64);
+
+async fn probe_stage(
+    url: &str,
+    http: &reqwest::Client,
+    client: &rootrank_store::etcd_client::Client,
+    lease: i64,
+    rate: f64,
+    duration: Duration,
+    salt: u64,
+) -> anyhow::Result<ProbeOut> {
+    let keys = Keys::new(PREFIX);
+    let group = GroupId::new("probe-0")?;
+    let interval = Duration::from_secs_f64(1.0 / rate.max(0.1));
+    let start = Instant::now();
+    let mut tasks = Vec::new();
+    let mut i = 0u64;
+    while start.elapsed() < duration {
+        let room = crate::state::room_id(salt, i);
+        i += 1;
+        let key = keys.room(&group, RoomId::new(room)?, 0);
+        let value = crate::state::record_value(&group, 0, room, true, rootrank_store::unix_ms())?;
+        let (http, url, mut client) = (http.clone(), url.to_string(), client.clone());
+        tasks.push(tokio::spawn(async move {
+            let poll = tokio::spawn({
+                let http = http.clone();
+                let url = format!("{url}/v1/rooms/{room}/verdict?group=probe-0&wait_ms=5000");
+                async move {
+                    let r = http.get(url).send().await.ok()?;
+                    let v: Value = r.json().await.ok()?;
+                    let at = Instant::now();
+                    (v["status"] == "resolved").then_some(at)
+                }
+            });
+            // Let the long poll reach the server before the write it waits for.
+            tokio::time::sleep(Duration::from_millis(3)).await;
+            let sent = Instant::now();
+            let ok = rootrank_store::create_if_absent(&mut client, &key, value, Some(lease)).await;
+            let acked = Instant::now();
+            let visible = poll.await.ok().flatten();
+            match (ok, visible) {
+                (Ok(true), Some(v)) => Some((
+                    v.saturating_duration_since(acked),
+                    v.saturating_duration_since(sent),
+                    acked - sent,
+                )),
+                _ => None,
+            }
+        }));
+        tokio::time::sleep(interval).await;
+    }
+    let (mut a, mut s, mut p, mut failures) = (Vec::new(), Vec::new(), Vec::new(), 0u64);
+    for t in tasks {
+        match t.await {
+            Ok(Some((x, y, z))) => {
+                a.push(x);
+                s.push(y);
+                p.push(z);
+            }
+            _ => failures += 1,
+        }
+    }
+    Ok((
+        Dist::from_durations(&a),
+        Dist::from_durations(&s),
+        Dist::from_durations(&p),
+        failures,
+    ))
+}

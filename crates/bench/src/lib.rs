@@ -1,0 +1,113 @@
+//! rootrank's benchmark suite: rootrank against its alternatives and its limits, side by side.
+//!
+//! Five parts, each runnable alone (`rootrank-bench verdicts --conns 16 --duration 5s`, ...)
+//! or all together (`rootrank-bench all`, which `make bench` runs):
+//!
+//! 1. [`verdicts`]: verdict lookups over HTTP (wrk) vs the same server's `/healthz` (the HTTP
+//!    floor) vs resolving the same verdicts straight from etcd (the scheduler without rootrank).
+//! 2. [`ingest`]: records/s from many agents, commit-to-visible lag, CPU per record.
+//! 3. [`detection`]: SIGKILL to resolved verdict, lease only (5 s and 1 s TTL), watchdog if any.
+//! 4. [`scale`]: 32,000 live leases and a million records: memory, load time, latency, keepalives.
+//! 5. [`agent_cost`]: what `record_failure` costs the caller, next to a 64 KiB NIXL WRITE.
+//!
+//! Every figure goes into one JSON file with the machine's facts and the git revision; a
+//! Markdown table and an SVG of the latency distributions are made from it ([`report`]).
+
+pub mod agent_cost;
+pub mod alloc;
+pub mod detection;
+pub mod ingest;
+pub mod load;
+pub mod procs;
+pub mod report;
+pub mod scale;
+pub mod state;
+pub mod util;
+pub mod verdicts;
+
+use std::path::Path;
+
+use serde_json::{json, Value};
+
+pub use procs::Env;
+
+/// Which parts run, with what sizes.
+#[derive(Clone, Debug, Default)]
+pub struct Suite {
+    pub verdicts: Option<verdicts::VerdictsCfg>,
+    pub ingest: Option<ingest::IngestCfg>,
+    pub detection: Option<detection::DetectionCfg>,
+    pub scale: Option<scale::ScaleCfg>,
+    pub agent: Option<agent_cost::AgentCfg>,
+}
+
+impl Suite {
+    pub fn full() -> Self {
+        Suite {
+            verdicts: Some(verdicts::VerdictsCfg::full()),
+            ingest: Some(ingest::IngestCfg::full()),
+            detection: Some(detection::DetectionCfg::full()),
+            scale: Some(scale::ScaleCfg::full()),
+            agent: Some(agent_cost::AgentCfg::full()),
+        }
+    }
+    /// Tiny sizes, seconds long: for `cargo test` and `make bench-smoke`.
+    pub fn smoke() -> Self {
+        Suite {
+            verdicts: Some(verdicts::VerdictsCfg::smoke()),
+            ingest: Some(ingest::IngestCfg::smoke()),
+            detection: Some(detection::DetectionCfg::smoke()),
+            scale: Some(scale::ScaleCfg::smoke()),
+            agent: Some(agent_cost::AgentCfg::smoke()),
+        }
+    }
+}
+
+/// Runs the selected parts. A part that fails is recorded as `{"error": ...}` and the others
+/// still run: one broken part must not lose an hour of figures.
+pub async fn run(env: &Env, suite: &Suite, mode: &str) -> Value {
+    let mut sections = serde_json::Map::new();
+    let started = rootrank_store::unix_ms();
+    macro_rules! part {
+        ($name:literal, $cfg:expr, $f:expr) => {
+            if let Some(cfg) = &$cfg {
+                eprintln!("rootrank-bench: {} ...", $name);
+                let t = std::time::Instant::now();
+                let v = match $f(env, cfg).await {
+                    Ok(mut v) => {
+                        v["elapsed_s"] = json!(t.elapsed().as_secs_f64());
+                        v
+                    }
+                    Err(e) => json!({"error": format!("{e:#}")}),
+                };
+                eprintln!("rootrank-bench: {} done in {:.1} s", $name, t.elapsed().as_secs_f64());
+                sections.insert($name.to_string(), v);
+            }
+        };
+    }
+    part!("verdicts", suite.verdicts, verdicts::run);
+    part!("ingest", suite.ingest, ingest::run);
+    part!("detection", suite.detection, detection::run);
+    part!("scale", suite.scale, scale::run);
+    part!("agent", suite.agent, agent_cost::run);
+    let mut results = json!({
+        "schema": "rootrank-bench/1",
+        "mode": mode,
+        "started_at": rootrank_core::time::format_ms(started),
+        "wall_s": (rootrank_store::unix_ms() - started) as f64 / 1e3,
+        "machine": util::machine(),
+        "git": util::git_rev(&env.repo),
+        "sections": Value::Object(sections),
+    });
+    results["goals"] = Value::Array(report::goals(&results));
+    results
+}
+
+/// Writes `results.json`, `results.md` and `latency.svg` into `out`.
+pub fn write_outputs(out: &Path, results: &Value) -> anyhow::Result<()> {
+    std::fs::create_dir_all(out)?;
+    std::fs::write(out.join("results.json"), serde_json::to_vec_pretty(results)?)?;
+    std::fs::write(out.join("results.md"), report::markdown(results))?;
+    std::fs::write(out.join("latency.svg"), report::svg(results))?;
+    Ok(())
+}

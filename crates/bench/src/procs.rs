@@ -1,0 +1,300 @@
+//! The processes a benchmark runs: a private etcd, coordinators and ranks.
+//!
+//! Coordinators and ranks are this very binary (`rootrank-bench serve-coordinator`, `rootrank-bench
+//! rank`), which embed `rootrank_coordinator::run` and `rootrank_agent::Agent`. So the suite never
+//! depends on `cargo build --bin rootrank` having run first (the test of a separate crate cannot
+//! rely on the workspace binary being built), and coordinator and ranks are always built with the
+//! same profile as the load that drives them. They run the same library code as `rootrank serve`
+//! (same runtime shape: 2 worker threads; same logging: info to stderr).
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context};
+use rootrank_store::embedded::{EmbeddedEtcd, EtcdOptions};
+
+/// Where the suite's binary is and where its scratch files go.
+#[derive(Clone, Debug)]
+pub struct Env {
+    /// The `rootrank-bench` binary (re-executed for coordinators and ranks).
+    pub exe: PathBuf,
+    /// The repository root (git revision, NIXL cache, nixl_bench example).
+    pub repo: PathBuf,
+    /// Scratch directory (etcd data, logs).
+    pub work: PathBuf,
+}
+
+impl Env {
+    pub fn subdir(&self, name: &str) -> anyhow::Result<PathBuf> {
+        let d = self.work.join(name);
+        if d.exists() {
+            std::fs::remove_dir_all(&d).with_context(|| format!("clearing {}", d.display()))?;
+        }
+        std::fs::create_dir_all(&d)?;
+        Ok(d)
+    }
+}
+
+/// Starts a private etcd in `dir` with extra flags; retried because free ports can race.
+pub fn start_etcd(dir: &Path, extra_args: &[String]) -> anyhow::Result<EmbeddedEtcd> {
+    let mut last = None;
+    for attempt in 0..5 {
+        let d = dir.join(format!("etcd{attempt}"));
+        let opts = EtcdOptions {
+            extra_args: extra_args.to_vec(),
+            ..EtcdOptions::default()
+        };
+        match EmbeddedEtcd::start(&d, &opts) {
+            Ok(e) => return Ok(e),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(anyhow!("etcd would not start: {last:?}"))
+}
+
+pub fn etcd_pid(etcd: &EmbeddedEtcd) -> anyhow::Result<u32> {
+    etcd.pid().context("etcd is not running")
+}
+
+/// A coordinator child process. Killed on drop.
+pub struct Coordinator {
+    child: Child,
+    pub url: String,
+    pub pid: u32,
+    /// From spawn to the first `/readyz` 200.
+    pub start_to_ready: Duration,
+    pub log: PathBuf,
+}
+
+impl Coordinator {
+    /// Spawns a coordinator and waits (up to `ready_timeout`) until `/readyz` answers 200.
+    pub async fn start(
+        env: &Env,
+        endpoint: &str,
+        prefix: &str,
+        ready_timeout: Duration,
+    ) -> anyhow::Result<Coordinator> {
+        let mut last_err = None;
+        for attempt in 0..3 {
+            let port = crate::util::free_port()?;
+            let log = env.work.join(format!("coordinator-{port}.log"));
+            let logf = std::fs::File::create(&log)?;
+            let started = Instant::now();
+            let child = Command::new(&env.exe)
+                .args(["serve-coordinator", "--etcd-endpoints", endpoint, "--prefix", prefix])
+                .args(["--listen", &format!("127.0.0.1:{port}")])
+                .env(
+                    "ROOTRANK_LOG",
+                    std::env::var("ROOTRANK_LOG").unwrap_or_else(|_| "info".into()),
+                )
+                .stdin(Stdio::null())
+                .stdout(logf.try_clone()?)
+                .stderr(logf)
+                .spawn()
+                .with_context(|| format!("spawning {}", env.exe.display()))?;
+            let pid = child.id();
+            let mut c = Coordinator {
+                child,
+                url: format!("http://127.0.0.1:{port}"),
+                pid,
+                start_to_ready: Duration::ZERO,
+                log,
+            };
+            let http = crate::util::http_client(Duration::from_secs(2))?;
+            let deadline = started + ready_timeout;
+            loop {
+                if let Ok(Some(st)) = c.child.try_wait() {
+                    last_err = Some(anyhow!("coordinator exited ({st}); log {}", c.log.display()));
+                    break;
+                }
+                if let Ok(r) = http.get(format!("{}/readyz", c.url)).send().await {
+                    if r.status().as_u16() == 200 {
+                        c.start_to_ready = started.elapsed();
+                        return Ok(c);
+                    }
+                }
+                if Instant::now() > deadline {
+                    bail!(
+                        "coordinator not ready within {ready_timeout:?}; log {}",
+                        c.log.display()
+                    );
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            tracing::debug!(attempt, "coordinator start failed; retrying on another port");
+        }
+        Err(last_err.unwrap_or_else(|| anyhow!("coordinator would not start")))
+    }
+}
+
+impl Drop for Coordinator {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A rank child process with an embedded agent, driven over stdin. Killed on drop.
+pub struct RankProc {
+    child: Option<Child>,
+    stdin: Option<ChildStdin>,
+    stdout: BufReader<ChildStdout>,
+    pub pid: u32,
+}
+
+impl RankProc {
+    /// Spawns the rank; [`RankProc::wait_registered`] reads its first line.
+    pub fn spawn(
+        env: &Env,
+        endpoint: &str,
+        group: &str,
+        rank: u32,
+        size: u32,
+        ttl_ms: u64,
+    ) -> anyhow::Result<RankProc> {
+        let mut child = Command::new(&env.exe)
+            .args(["rank", "--etcd-endpoints", endpoint, "--group", group])
+            .args(["--rank", &rank.to_string(), "--group-size", &size.to_string()])
+            .args(["--lease-ttl-ms", &ttl_ms.to_string()])
+            .env("ROOTRANK_LOG", "warn")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .with_context(|| format!("spawning {}", env.exe.display()))?;
+        let stdin = child.stdin.take();
+        let stdout = BufReader::new(child.stdout.take().context("no stdout")?);
+        Ok(RankProc {
+            pid: child.id(),
+            child: Some(child),
+            stdin,
+            stdout,
+        })
+    }
+
+    /// Blocks until the rank says it registered (its first line).
+    pub fn wait_registered(&mut self) -> anyhow::Result<()> {
+        let line = self.read_line()?;
+        if !line.starts_with("registered ") {
+            bail!("rank did not register: {line:?}");
+        }
+        Ok(())
+    }
+
+    fn read_line(&mut self) -> anyhow::Result<String> {
+        let mut line = String::new();
+        if self.stdout.read_line(&mut line)? == 0 {
+            bail!("rank process closed its stdout");
+        }
+        Ok(line.trim_end().to_string())
+    }
+
+    /// Reports a room failure and waits until it is in etcd.
+    pub fn fail(&mut self, room: u64, origin: &str, reason: &str) -> anyhow::Result<()> {
+        let stdin = self.stdin.as_mut().context("rank stdin closed")?;
+        writeln!(stdin, "fail {room} {origin} {reason}")?;
+        stdin.flush()?;
+        let r = self.read_line()?;
+        if r != "ok" {
+            bail!("rank fail: {r}");
+        }
+        Ok(())
+    }
+
+    /// SIGKILL, as the OOM killer would, and reap.
+    pub fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for RankProc {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+/// `rootrank-bench serve-coordinator`: the coordinator, as `rootrank serve` runs it.
+pub fn serve_coordinator(endpoints: Vec<String>, listen: std::net::SocketAddr, prefix: String) -> anyhow::Result<()> {
+    init_tracing();
+    let config = rootrank_coordinator::CoordinatorConfig {
+        endpoints,
+        listen,
+        index: rootrank_core::IndexConfig {
+            prefix,
+            ..rootrank_core::IndexConfig::default()
+        },
+        retention: Duration::from_secs(600),
+    };
+    // The same runtime shape as `rootrank serve` (src/cmd/mod.rs): 2 worker threads.
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    rt.block_on(rootrank_coordinator::run(config, async {
+        use tokio::signal::unix::{signal, SignalKind};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                term.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    }))?;
+    Ok(())
+}
+
+/// `rootrank-bench rank`: a rank with an embedded agent. Stdin commands: `fail ROOM ORIGIN
+/// REASON` (replies `ok` once the record is in etcd) and `exit`.
+pub fn rank_main(endpoints: Vec<String>, group: &str, rank: u64, size: u64, ttl_ms: u64) -> anyhow::Result<()> {
+    init_tracing();
+    let mut config = rootrank_agent::AgentConfig::new(endpoints, group, rank, size)?;
+    config.lease_ttl = Duration::from_millis(ttl_ms);
+    let agent = rootrank_agent::Agent::start(config)?;
+    let inc = agent
+        .wait_registered(Duration::from_secs(30))
+        .context("agent did not register in 30 s")?;
+    let out = std::io::stdout();
+    let mut out = out.lock();
+    writeln!(out, "registered incarnation={inc} pid={}", std::process::id())?;
+    out.flush()?;
+    for line in std::io::stdin().lock().lines() {
+        let line = line?;
+        let words: Vec<&str> = line.split_whitespace().collect();
+        let reply = match words.as_slice() {
+            ["exit"] => break,
+            ["fail", room, origin, reason] => {
+                let origin = match *origin {
+                    "local" => rootrank_core::Origin::Local,
+                    _ => rootrank_core::Origin::Propagated,
+                };
+                match room.parse::<u64>() {
+                    Ok(room) => match agent.record_failure(room, origin, reason, "rootrank-bench", None) {
+                        Ok(()) if agent.flush(Duration::from_secs(10)) => "ok".to_string(),
+                        Ok(()) => "error: flush timed out".to_string(),
+                        Err(e) => format!("error: {e}"),
+                    },
+                    Err(e) => format!("error: room: {e}"),
+                }
+            }
+            _ => "error: fail ROOM ORIGIN REASON | exit".to_string(),
+        };
+        writeln!(out, "{reply}")?;
+        out.flush()?;
+    }
+    agent.shutdown(Duration::from_secs(5));
+    Ok(())
+}
+
+fn init_tracing() {
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_from_env("ROOTRANK_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .compact()
+        .try_init();
+}

@@ -1,0 +1,97 @@
+//! The whole suite at tiny sizes (seconds): it must produce well-formed results. No timing is
+//! asserted anywhere; this only proves every part runs end to end and reports its figures.
+//!
+//! The binary under test is `CARGO_BIN_EXE_rootrank-bench`, which cargo builds before this
+//! test; coordinators and ranks are that same binary, so nothing else must be built first.
+
+use std::process::Command;
+
+use serde_json::Value;
+
+fn num(v: &Value, path: &str) -> f64 {
+    let mut cur = v;
+    for p in path.split('.') {
+        cur = match p.parse::<usize>() {
+            Ok(i) => &cur[i],
+            Err(_) => &cur[p],
+        };
+    }
+    cur.as_f64().unwrap_or_else(|| panic!("{path} is not a number: {cur}"))
+}
+
+fn positive(v: &Value, path: &str) {
+    let x = num(v, path);
+    assert!(x.is_finite() && x > 0.0, "{path} = {x}, want finite and > 0");
+}
+
+#[test]
+fn smoke_suite_produces_well_formed_results() {
+    let out = tempfile::tempdir().expect("tempdir");
+    let output = Command::new(env!("CARGO_BIN_EXE_rootrank-bench"))
+        .args(["all", "--smoke", "--out"])
+        .arg(out.path())
+        .output()
+        .expect("run rootrank-bench");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "rootrank-bench all --smoke failed: {stderr}");
+
+    let r: Value = serde_json::from_slice(&std::fs::read(out.path().join("results.json")).expect("results.json"))
+        .expect("results.json parses");
+    positive(&r, "machine.nproc");
+    positive(&r, "machine.mem_total_bytes");
+    assert!(r["machine"]["kernel"].as_str().is_some_and(|k| !k.is_empty()));
+    assert!(r["git"]["revision"].as_str().is_some());
+    let s = &r["sections"];
+    for part in ["verdicts", "ingest", "detection", "scale", "agent"] {
+        assert!(s[part].is_object(), "section {part} missing");
+        assert!(
+            s[part].get("error").is_none(),
+            "section {part} failed: {}",
+            s[part]["error"]
+        );
+    }
+
+    let runs = s["verdicts"]["runs"].as_array().expect("verdict runs");
+    for target in ["verdict", "healthz", "etcd_direct"] {
+        assert!(runs.iter().any(|x| x["target"] == target), "no {target} run");
+    }
+    for run in runs {
+        positive(run, "rps");
+        positive(run, "latency.p50_us");
+        positive(run, "latency.p99_us");
+    }
+    positive(&s["verdicts"], "ratios.0.verdict_over_healthz_rps");
+    positive(&s["verdicts"], "ratios.0.verdict_over_etcd_direct_rps");
+
+    let stage = &s["ingest"]["stages"][0];
+    positive(stage, "written");
+    positive(stage, "achieved_rate");
+    positive(stage, "lag_commit_to_visible.count");
+    positive(stage, "cpu.coordinator_us_per_record");
+    positive(stage, "cpu.etcd_us_per_record");
+
+    let det = &s["detection"]["variants"][0]["result"];
+    positive(det, "resolved");
+    positive(det, "kill_to_resolved_ms.p50");
+    assert!(s["detection"]["watchdog"]["available"].is_boolean());
+
+    let sc = &s["scale"];
+    positive(sc, "coordinator.start_to_ready_s");
+    positive(sc, "coordinator.loaded_rss_bytes");
+    positive(sc, "core_index.bytes_per_record");
+    positive(sc, "verdict.run.rps");
+    positive(sc, "keepalive_only.keepalives_per_s");
+
+    positive(&s["agent"], "queue_with_room.mean_ns");
+    positive(&s["agent"], "queue_full_dropping.mean_ns");
+    assert!(s["agent"]["nixl_write_64k"]["available"].is_boolean());
+
+    let goals = r["goals"].as_array().expect("goals");
+    assert!(goals.len() >= 7);
+
+    let md = std::fs::read_to_string(out.path().join("results.md")).expect("results.md");
+    assert!(md.contains("## Performance"));
+    let svg = std::fs::read_to_string(out.path().join("latency.svg")).expect("latency.svg");
+    assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
+    assert!(svg.contains("<polyline"));
+}
