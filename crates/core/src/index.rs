@@ -243,7 +243,9 @@ pub struct Index {
     pub(crate) rooms: HashMap<RoomId, RoomEntry>,
     /// Rooms with records in a group and no verdict yet, re-checked when a death lands.
     pub(crate) unresolved: HashMap<GroupId, HashSet<RoomId>>,
-    pub(crate) root_causes: VecDeque<RootCause>,
+    /// Recently resolved rooms, newest first: (room, revision). The root cause itself is
+    /// derived when asked, so resolving a million rooms on a reload builds no strings.
+    pub(crate) root_causes: VecDeque<(RoomId, i64)>,
     record_count: usize,
     interned_reasons: HashSet<Reason>,
 }
@@ -669,7 +671,7 @@ impl Index {
         let Some(entry) = self.rooms.get(&room) else { return };
         let first_observed = entry.first_observed_ms;
         let groups: BTreeSet<GroupId> = entry.records.iter().map(|r| r.group.clone()).collect();
-        let resolved = match decision.culprit(self, room) {
+        let resolved = match decision.summary(self, room) {
             Some(c) => c,
             None => {
                 if matches!(decision, crate::verdict::Decision::Unknown) {
@@ -692,26 +694,18 @@ impl Index {
         if let Some(entry) = self.rooms.get_mut(&room) {
             entry.resolved = true;
         }
+        let (group, rank, reason, source) = resolved;
         out.push(Output::RoomResolved {
             room,
-            group: resolved.group.clone(),
-            rank: resolved.rank,
-            reason: resolved.reason.clone(),
-            source: resolved.source,
+            group,
+            rank,
+            reason,
+            source,
             revision,
             first_record_observed_ms: first_observed,
             observed_ms: now,
         });
-        self.root_causes.push_front(RootCause {
-            room,
-            group: resolved.group,
-            rank: resolved.rank,
-            reason: resolved.reason,
-            source: resolved.source,
-            detail: resolved.detail,
-            at: resolved.at,
-            revision,
-        });
+        self.root_causes.push_front((room, revision));
         self.root_causes.truncate(self.config.root_cause_log);
     }
 

@@ -295,6 +295,26 @@ impl Index {
 }
 
 impl Decision {
+    /// Who and why, without building the culprit's strings.
+    pub(crate) fn summary(&self, index: &Index, room: RoomId) -> Option<(GroupId, Rank, Reason, &'static str)> {
+        match self {
+            Decision::Record { idx } => {
+                let r = index.rooms.get(&room)?.records.get(*idx)?;
+                Some((r.group.clone(), r.rank, r.reason.clone(), "room_record"))
+            }
+            Decision::Death { key } => {
+                let d = index.deaths.get(key)?;
+                let source = if death_kind(d) == "down" {
+                    "down_certificate"
+                } else {
+                    "lease_expired"
+                };
+                Some((key.0.clone(), key.1, d.reason.clone(), source))
+            }
+            Decision::Pending { .. } | Decision::Unknown => None,
+        }
+    }
+
     pub(crate) fn culprit(&self, index: &Index, room: RoomId) -> Option<Culprit> {
         match self {
             Decision::Record { idx } => {

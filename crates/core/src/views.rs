@@ -158,13 +158,27 @@ impl Index {
         out
     }
 
-    /// Recent root causes, newest first (`GET /v1/failures`).
+    /// Recent root causes, newest first (`GET /v1/failures`). Derived from the rooms as they
+    /// are now; a room whose records have expired is gone from the list too.
     pub fn recent_failures(&self, group: Option<&GroupId>, limit: usize) -> Vec<RootCause> {
         self.root_causes
             .iter()
+            .filter_map(|(room, revision)| {
+                // A resolved room's culprit does not depend on the time of the question.
+                let c = self.decide(*room, None, 0, 0).culprit(self, *room)?;
+                Some(RootCause {
+                    room: *room,
+                    group: c.group,
+                    rank: c.rank,
+                    reason: c.reason,
+                    source: c.source,
+                    detail: c.detail,
+                    at: c.at,
+                    revision: *revision,
+                })
+            })
             .filter(|c| group.is_none_or(|g| &c.group == g))
             .take(limit)
-            .cloned()
             .collect()
     }
 

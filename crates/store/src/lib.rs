@@ -181,7 +181,7 @@ pub async fn snapshot(
         if revision > 0 {
             opts = opts.with_revision(revision);
         }
-        let mut resp = client.get(start.clone(), Some(opts)).await?;
+        let mut resp = get_page(client, &start, opts).await?;
         if revision == 0 {
             revision = resp.header().map_or(0, |h| h.revision());
         }
@@ -202,6 +202,29 @@ pub async fn snapshot(
         }
     }
     Ok((events, revision))
+}
+
+/// One page of a snapshot, retried at the same revision: an etcd busy renewing thousands of
+/// leases can time a page out, and starting the whole snapshot over would never finish.
+async fn get_page(
+    client: &mut Client,
+    start: &[u8],
+    opts: GetOptions,
+) -> Result<etcd_client::GetResponse, etcd_client::Error> {
+    let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(2));
+    let mut attempt = 0;
+    loop {
+        match client.get(start.to_vec(), Some(opts.clone())).await {
+            Ok(r) => return Ok(r),
+            // A compacted revision cannot be read again: the caller starts a new snapshot.
+            Err(e) if attempt >= 20 || e.to_string().contains("compacted") => return Err(e),
+            Err(e) => {
+                attempt += 1;
+                tracing::debug!(error = %e, attempt, "snapshot page failed; retrying at the same revision");
+                tokio::time::sleep(backoff.next_pause()).await;
+            }
+        }
+    }
 }
 
 /// The smallest key greater than every key with this prefix.
