@@ -87,9 +87,20 @@ async fn load(
     logged: &mut HashSet<String>,
 ) -> Result<i64, rootrank_store::etcd_client::Error> {
     let prefix = Keys::new(&config.index.prefix).root();
-    let (kvs, revision) = rootrank_store::snapshot(&mut client, &prefix, rootrank_store::unix_ms()).await?;
     let mut fresh = Index::new(config.index.clone());
-    let outputs = fresh.load_snapshot(kvs, revision);
+    let mut outputs = Vec::new();
+    // Pages are applied as they arrive and dropped: the raw key-values of a million records
+    // never sit in memory at once.
+    let revision = rootrank_store::snapshot_pages(&mut client, &prefix, rootrank_store::unix_ms(), |page| {
+        outputs.extend(
+            fresh
+                .load_snapshot_page(page)
+                .into_iter()
+                .filter(|o| matches!(o, Output::Invalid { .. })),
+        );
+    })
+    .await?;
+    fresh.finish_snapshot(revision);
     let previous = {
         let Ok(mut idx) = shared.index.write() else {
             return Ok(revision);

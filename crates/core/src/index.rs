@@ -291,16 +291,33 @@ impl Index {
         self.revision = self.revision.max(revision);
     }
 
-    /// Loads a snapshot read at `revision`. Key-values are applied in revision order, exactly
-    /// as a watch would have delivered them, so a reloaded index equals a watching one.
-    pub fn load_snapshot(&mut self, mut kvs: Vec<Event>, revision: i64) -> Vec<Output> {
-        kvs.sort_by_key(Event::revision);
+    /// Loads a whole snapshot read at `revision` (see [`Index::load_snapshot_page`]).
+    pub fn load_snapshot(&mut self, kvs: Vec<Event>, revision: i64) -> Vec<Output> {
+        let out = self.load_snapshot_page(kvs);
+        self.finish_snapshot(revision);
+        out
+    }
+
+    /// Applies one page of a snapshot (all puts at one revision), in any order: a snapshot
+    /// holds one live key per rank and one certificate per incarnation, records sort
+    /// themselves by revision, and a group's rank keys come before its rooms in key order.
+    /// So the coordinator applies pages as they arrive and never holds a million raw
+    /// key-values at once. (Property-tested against watching the whole history.)
+    pub fn load_snapshot_page(&mut self, kvs: Vec<Event>) -> Vec<Output> {
         let mut out = Vec::new();
         for ev in kvs {
             out.extend(self.apply(ev));
         }
-        self.advance_to(revision);
         out
+    }
+
+    /// Ends a snapshot read at `revision`: the index now reflects it.
+    pub fn finish_snapshot(&mut self, revision: i64) {
+        self.advance_to(revision);
+        // Rooms resolved while loading were met in key order; the log is newest first.
+        self.root_causes
+            .make_contiguous()
+            .sort_by_key(|(_, rev)| std::cmp::Reverse(*rev));
     }
 
     /// Applies one event. Events must come in revision order (as etcd delivers them).

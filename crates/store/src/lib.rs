@@ -171,11 +171,23 @@ pub async fn snapshot(
     prefix: &str,
     observed_at_ms: i64,
 ) -> Result<(Vec<Event>, i64), etcd_client::Error> {
+    let mut events = Vec::new();
+    let revision = snapshot_pages(client, prefix, observed_at_ms, |page| events.extend(page)).await?;
+    Ok((events, revision))
+}
+
+/// Like [`snapshot`], handing each page to `page` as it arrives (in key order), so the caller
+/// can apply and drop it. Returns the snapshot's revision.
+pub async fn snapshot_pages(
+    client: &mut Client,
+    prefix: &str,
+    observed_at_ms: i64,
+    mut page: impl FnMut(Vec<Event>),
+) -> Result<i64, etcd_client::Error> {
     const PAGE: i64 = 5_000;
     let end = prefix_end(prefix.as_bytes());
     let mut start = prefix.as_bytes().to_vec();
     let mut revision = 0;
-    let mut events = Vec::new();
     loop {
         let mut opts = GetOptions::new().with_range(end.clone()).with_limit(PAGE);
         if revision > 0 {
@@ -190,18 +202,22 @@ pub async fn snapshot(
         let Some(last) = kvs.last() else { break };
         start = last.key().to_vec();
         start.push(0);
-        events.extend(kvs.into_iter().map(|kv| Event::Put {
-            key: kv.key().to_vec(),
-            value: kv.value().to_vec(),
-            lease: kv.lease(),
-            revision: kv.mod_revision(),
-            observed_at_ms,
-        }));
+        page(
+            kvs.into_iter()
+                .map(|kv| Event::Put {
+                    key: kv.key().to_vec(),
+                    value: kv.value().to_vec(),
+                    lease: kv.lease(),
+                    revision: kv.mod_revision(),
+                    observed_at_ms,
+                })
+                .collect(),
+        );
         if !more {
             break;
         }
     }
-    Ok((events, revision))
+    Ok(revision)
 }
 
 /// One page of a snapshot, retried at the same revision: an etcd busy renewing thousands of
