@@ -125,16 +125,28 @@ async fn sigkilled_rank_is_named_once_its_lease_expires() {
         (Some(3), Some(1)),
         "{summary}"
     );
-    // The death is persisted as a certificate, so it outlives the coordinator.
-    let mut client = etcd_client::Client::connect([etcd.endpoint()], None).await.unwrap();
-    let certs = client
-        .get(
-            "/rootrank/v1/groups/prefill-1/ranks/3/down/",
-            Some(etcd_client::GetOptions::new().with_prefix()),
-        )
-        .await
-        .unwrap();
-    assert_eq!(certs.kvs().len(), 1);
+    // The death is persisted as a certificate (written right after the verdict resolved in
+    // memory), so it outlives the coordinator: exactly one.
+    let client = etcd_client::Client::connect([etcd.endpoint()], None).await.unwrap();
+    let certs = eventually(T, "the lease_expired certificate in etcd", || {
+        let mut client = client.clone();
+        async move {
+            let opts = etcd_client::GetOptions::new().with_prefix();
+            let r = client
+                .get("/rootrank/v1/groups/prefill-1/ranks/3/down/", Some(opts))
+                .await
+                .ok()?;
+            (!r.kvs().is_empty()).then(|| r.kvs().to_vec())
+        }
+    })
+    .await
+    .unwrap();
+    assert_eq!(certs.len(), 1);
+    let cert: Value = serde_json::from_slice(certs[0].value()).unwrap();
+    assert_eq!(
+        (cert["source"].as_str(), cert["reason"].as_str()),
+        (Some("coordinator"), Some("lease_expired"))
+    );
     let (_, f) = coord.get("/v1/failures?group=prefill-1").await.unwrap();
     assert_eq!(f["failures"][0]["rank"], 3, "{f}");
 }
@@ -215,6 +227,22 @@ async fn a_restarted_coordinator_answers_the_same_verdicts() {
     let before = [verdict(&coord, 1001, "").await, verdict(&coord, 1002, "").await];
     assert_eq!(before[0]["evidence"].as_array().map(Vec::len), Some(3));
     let (_, group_before) = coord.get("/v1/groups/prefill-3").await.unwrap();
+    // The vanished live key is persisted (a certificate) right after it is seen; only what
+    // is in etcd survives a restart, so wait for it as an operator would.
+    let client = etcd_client::Client::connect([etcd.endpoint()], None).await.unwrap();
+    eventually(T, "rank 2's lease_expired certificate", || {
+        let mut client = client.clone();
+        async move {
+            let opts = etcd_client::GetOptions::new().with_prefix();
+            let r = client
+                .get("/rootrank/v1/groups/prefill-3/ranks/2/down/", Some(opts))
+                .await
+                .ok()?;
+            (!r.kvs().is_empty()).then_some(())
+        }
+    })
+    .await
+    .unwrap();
     coord.restart().await.unwrap();
     for (room, b) in [1001u64, 1002].iter().zip(&before) {
         let after = verdict(&coord, *room, "").await;
