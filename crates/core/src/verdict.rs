@@ -202,15 +202,23 @@ impl Index {
 
     pub(crate) fn decide(&self, room: RoomId, group: Option<&GroupId>, asked_at_ms: i64, now_ms: i64) -> Decision {
         let scope = self.scope(room, group, asked_at_ms);
-        self.decide_in(&scope, now_ms)
+        let deaths = self.counted_deaths(&scope);
+        self.decide_in(&scope, &deaths, now_ms)
     }
 
-    fn decide_in(&self, scope: &Scope<'_>, now_ms: i64) -> Decision {
+    /// The rules, given the scope and the deaths that count for it (computed once: the
+    /// verdict lists the same deaths as evidence).
+    fn decide_in(
+        &self,
+        scope: &Scope<'_>,
+        deaths: &[(&(GroupId, Rank, Incarnation), &Death)],
+        now_ms: i64,
+    ) -> Decision {
         // Records are sorted by revision, so the first local one is the earliest root cause.
         if let Some((idx, _)) = scope.records.iter().find(|(_, r)| r.origin == Origin::Local) {
             return Decision::Record { idx: *idx };
         }
-        if let Some((key, _)) = self.counted_deaths(scope).first() {
+        if let Some((key, _)) = deaths.first() {
             return Decision::Death { key: (*key).clone() };
         }
         let until = scope.t0_ms + scope.pending_window_ms;
@@ -248,8 +256,8 @@ impl Index {
     /// Answers a verdict question (SPEC section 5).
     pub fn verdict(&self, q: &VerdictQuery) -> Verdict {
         let scope = self.scope(q.room, q.group.as_ref(), q.asked_at_ms);
-        let decision = self.decide_in(&scope, q.now_ms);
         let deaths = self.counted_deaths(&scope);
+        let decision = self.decide_in(&scope, &deaths, q.now_ms);
         let mut evidence: Vec<Evidence> = scope
             .records
             .iter()
