@@ -15,9 +15,8 @@
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
 mod worker;
 
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
-use std::thread::JoinHandle;
 use std::time::Duration;
 
 use rootrank_core::ids::check_rank;
@@ -62,6 +61,10 @@ pub struct AgentConfig {
     pub host: Option<String>,
     pub nixl_agent: Option<String>,
     pub gpu: Option<String>,
+    /// Where the agent thread's logs go. `None` uses the process's global `tracing`
+    /// subscriber; a host that has none of its own (a Python rank) passes one here, so the
+    /// agent never installs a process-wide subscriber in someone else's process.
+    pub log: Option<tracing::Dispatch>,
 }
 
 impl AgentConfig {
@@ -82,6 +85,7 @@ impl AgentConfig {
             host: read_trimmed("/proc/sys/kernel/hostname"),
             nixl_agent: None,
             gpu: None,
+            log: None,
         })
     }
 
@@ -175,11 +179,15 @@ impl Shared {
 }
 
 /// The embedded agent. See the crate docs.
+///
+/// Every method takes `&self`, so one agent can be shared by threads (the Python binding
+/// keeps it behind an `Arc`); none of them blocks longer than the timeout it is given.
 pub struct Agent {
     tx: mpsc::Sender<Command>,
     shared: Arc<Shared>,
     capacity: usize,
-    thread: Option<JoinHandle<()>>,
+    /// Set once a stop was sent; the thread then drains the queue and ends on its own.
+    stopped: AtomicBool,
 }
 
 impl Agent {
@@ -191,7 +199,9 @@ impl Agent {
         let shared = Arc::new(Shared::default());
         let capacity = config.queue_capacity;
         let worker_shared = shared.clone();
-        let thread = std::thread::Builder::new()
+        // Detached: the thread ends by itself once a stop command is processed (or the
+        // queue's sender is gone); nothing ever waits to join it.
+        std::thread::Builder::new()
             .name(format!("rootrank-agent-{}-{}", config.group, config.rank))
             .spawn(move || worker::run(config, rx, worker_shared))
             .map_err(AgentError::Thread)?;
@@ -199,7 +209,7 @@ impl Agent {
             tx,
             shared,
             capacity,
-            thread: Some(thread),
+            stopped: AtomicBool::new(false),
         })
     }
 
@@ -257,6 +267,9 @@ impl Agent {
     }
 
     fn enqueue(&self, cmd: Command) -> Result<(), AgentError> {
+        if self.stopped.load(Ordering::Relaxed) {
+            return Err(AgentError::Stopped);
+        }
         match self.tx.try_send(cmd) {
             Ok(()) => Ok(()),
             Err(mpsc::error::TrySendError::Full(_)) => {
@@ -298,44 +311,52 @@ impl Agent {
     }
 
     /// A clean exit: writes a `shutdown` certificate, flushes, revokes the liveness lease.
-    /// Bounded by `timeout`; returns whether it completed.
-    pub fn shutdown(mut self, timeout: Duration) -> bool {
+    /// Bounded by `timeout` (any size); returns whether it completed. Only the first stop
+    /// counts: later calls return false at once.
+    pub fn shutdown(&self, timeout: Duration) -> bool {
         self.stop(true, timeout)
     }
 
-    fn stop(&mut self, clean: bool, timeout: Duration) -> bool {
+    /// Whether a stop (shutdown or drop) was already sent.
+    pub fn is_stopped(&self) -> bool {
+        self.stopped.load(Ordering::SeqCst)
+    }
+
+    fn stop(&self, clean: bool, timeout: Duration) -> bool {
+        if self.stopped.swap(true, Ordering::SeqCst) {
+            return false;
+        }
         let (done_tx, done_rx) = oneshot::channel();
         let sent = self.tx.try_send(Command::Shutdown { clean, done: done_tx }).is_ok();
-        let ok = sent && wait_oneshot(done_rx, timeout);
-        if let Some(t) = self.thread.take() {
-            if ok {
-                let _ = t.join();
-            }
-            // Otherwise the thread is left to finish on its own: the host must not hang.
-        }
-        ok
+        // Otherwise the thread is left to finish on its own: the host must not hang.
+        sent && wait_oneshot(done_rx, timeout)
     }
 }
 
 impl Drop for Agent {
+    /// Never blocks the host: dropped without [`Agent::shutdown`], the agent is told to stop
+    /// after what is already queued (no shutdown certificate: the lease runs out on its own,
+    /// so the rank reads as dead, not as cleanly gone). The thread finishes writing the queue
+    /// in the background for as long as the process lives.
     fn drop(&mut self) {
-        if self.thread.is_some() {
-            // Dropped without shutdown(): flush what we can briefly, but do not claim a clean
-            // exit (no shutdown certificate; the lease runs out on its own).
-            self.stop(false, Duration::from_millis(500));
+        if !self.stopped.swap(true, Ordering::SeqCst) {
+            let (done, _) = oneshot::channel();
+            let _ = self.tx.try_send(Command::Shutdown { clean: false, done });
         }
     }
 }
 
+/// Waits for `rx` until `timeout` (any size: a deadline past what `Instant` can hold means
+/// "no deadline", never a panic).
 fn wait_oneshot(mut rx: oneshot::Receiver<()>, timeout: Duration) -> bool {
-    let deadline = std::time::Instant::now() + timeout;
+    let deadline = std::time::Instant::now().checked_add(timeout);
     loop {
         match rx.try_recv() {
             Ok(()) => return true,
             Err(oneshot::error::TryRecvError::Closed) => return false,
             Err(oneshot::error::TryRecvError::Empty) => {}
         }
-        if std::time::Instant::now() >= deadline {
+        if deadline.is_some_and(|d| std::time::Instant::now() >= d) {
             return false;
         }
         std::thread::sleep(Duration::from_millis(1));

@@ -19,6 +19,8 @@ use crate::{AgentConfig, Command, Shared, AGENT_VERSION};
 type Attachments = Arc<Mutex<BTreeMap<String, Vec<u8>>>>;
 
 pub(crate) fn run(config: AgentConfig, rx: mpsc::Receiver<Command>, shared: Arc<Shared>) {
+    // Scoped to this thread: the host's own logging is left alone.
+    let _log = config.log.as_ref().map(tracing::dispatcher::set_default);
     let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {

@@ -1,0 +1,73 @@
+"""Type stubs for the native module (crates/python/src/lib.rs)."""
+
+from __future__ import annotations
+
+from types import TracebackType
+from typing import Literal, Mapping, Sequence, TypedDict, Union
+
+AGENT_VERSION: str
+
+class Peer(TypedDict, total=False):
+    group: str
+    rank: int
+    agent: str
+    endpoint: str
+
+class Agent:
+    """The rank-side agent: liveness and failure records in etcd, never blocking the host."""
+
+    def __init__(
+        self,
+        group: str,
+        rank: int,
+        group_size: int,
+        *,
+        etcd_endpoints: Union[str, Sequence[str], None] = None,
+        prefix: str | None = None,
+        lease_ttl_ms: int = 5000,
+        role: Literal["prefill", "decode"] | None = None,
+        retention_s: float = 600.0,
+        queue_capacity: int = 10000,
+        host: str | None = None,
+        nixl_agent: str | None = None,
+        gpu: str | None = None,
+    ) -> None: ...
+    def record_failure(
+        self,
+        room: int,
+        reason: str,
+        detail: str = "",
+        *,
+        origin: Literal["local", "propagated"] = "local",
+        peer: Peer | Mapping[str, object] | None = None,
+    ) -> bool:
+        """Enqueue a room failure record; False when the queue was full (dropped)."""
+    def record_down(self, reason: str, detail: str = "", *, log_tail: list[str] | None = None) -> bool:
+        """Enqueue this incarnation's down certificate (a fatal error)."""
+    def flush(self, timeout_s: float = 5.0) -> bool:
+        """Wait (GIL released) until everything enqueued is in etcd."""
+    def wait_registered(self, timeout_s: float = 5.0) -> str | None:
+        """Wait (GIL released) for the first registration; the incarnation or None."""
+    def shutdown(self, timeout_s: float = 5.0) -> bool:
+        """Clean exit: shutdown certificate, flush, revoke the lease; bounded by timeout_s."""
+    @property
+    def incarnation(self) -> str | None: ...
+    @property
+    def dropped(self) -> int: ...
+    @property
+    def published(self) -> int: ...
+    @property
+    def stopped(self) -> bool: ...
+    @property
+    def group(self) -> str: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def group_size(self) -> int: ...
+    def __enter__(self) -> Agent: ...
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool: ...

@@ -1,0 +1,216 @@
+"""A client for the coordinator's HTTP API (SPEC section 6), with replica failover.
+
+Standard library only (``http.client``), so a rank process gains no dependency. One
+keep-alive connection per replica; a replica that refuses, resets, times out or answers 503
+is skipped for the next one, and the last replica that answered is tried first next time.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import threading
+import time
+import urllib.parse
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+from rootrank.errors import CoordinatorError, CoordinatorUnavailable, InvalidInput, NotFound
+
+MAX_WAIT_MS = 30_000
+# Added to a long poll's wait for the network and the server's own answer.
+_SLACK_S = 2.0
+
+
+def _parse_urls(urls: Union[str, Sequence[str], None]) -> List[str]:
+    if urls is None:
+        urls = os.environ.get("ROOTRANK_COORDINATOR", "")
+    if isinstance(urls, str):
+        urls = urls.split(",")
+    out = []
+    for u in urls:
+        u = str(u).strip().rstrip("/")
+        if not u:
+            continue
+        if "://" not in u:
+            u = "http://" + u
+        parsed = urllib.parse.urlsplit(u)
+        if parsed.scheme != "http" or not parsed.hostname:
+            raise InvalidInput(f"coordinator URL {u!r} must look like http://host:port")
+        out.append(u)
+    if not out:
+        raise InvalidInput(
+            "no coordinator URL: pass urls= or set ROOTRANK_COORDINATOR (e.g. http://rootrank:9750)"
+        )
+    return out
+
+
+class _Replica:
+    def __init__(self, url: str):
+        self.url = url
+        parsed = urllib.parse.urlsplit(url)
+        self.host = parsed.hostname or "127.0.0.1"
+        self.port = parsed.port or 80
+        self.base = parsed.path.rstrip("/")
+        self.conn: Optional[http.client.HTTPConnection] = None
+
+    def request(self, path: str, timeout_s: float) -> tuple:
+        if self.conn is None:
+            self.conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout_s)
+        else:
+            self.conn.timeout = timeout_s
+            if self.conn.sock is not None:
+                self.conn.sock.settimeout(timeout_s)
+        try:
+            self.conn.request("GET", self.base + path, headers={"Accept": "application/json"})
+            resp = self.conn.getresponse()
+            body = resp.read()
+            return resp.status, body
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self.conn is not None:
+            try:
+                self.conn.close()
+            finally:
+                self.conn = None
+
+
+class Coordinator:
+    """Asks rootrank coordinators (one URL, or several replicas: a comma-separated string or
+    a list; default ``ROOTRANK_COORDINATOR``). Replicas are tried in turn on connection
+    errors and 503s; every replica answers the same (verdicts are a function of etcd state).
+    Thread-safe."""
+
+    def __init__(self, urls: Union[str, Sequence[str], None] = None, *, timeout_s: float = 5.0):
+        self._replicas = [_Replica(u) for u in _parse_urls(urls)]
+        self._timeout_s = float(timeout_s)
+        self._preferred = 0
+        self._lock = threading.Lock()
+
+    @property
+    def urls(self) -> List[str]:
+        return [r.url for r in self._replicas]
+
+    def verdict(
+        self,
+        room: int,
+        *,
+        group: Optional[str] = None,
+        wait_ms: int = 0,
+        view: Optional[str] = None,
+        asking_rank: Optional[int] = None,
+        min_revision: Optional[int] = None,
+        timeout_s: Optional[float] = None,
+    ) -> Dict[str, Any]:
+        """The verdict for ``room`` (SPEC section 5), restricted to ``group`` if given. With
+        ``wait_ms`` (0..=30000) the coordinator answers as soon as the verdict resolves.
+        ``timeout_s`` bounds the whole call, failover included (default: wait + 2 s)."""
+        if isinstance(room, bool) or not isinstance(room, int) or not 0 <= room <= 2**63 - 1:
+            raise InvalidInput(f"room {room!r} must be an integer in 0..=2^63-1")
+        if isinstance(wait_ms, bool) or not isinstance(wait_ms, int) or not 0 <= wait_ms <= MAX_WAIT_MS:
+            raise InvalidInput(f"wait_ms {wait_ms!r} must be an integer in 0..={MAX_WAIT_MS}")
+        query = {}
+        if group is not None:
+            query["group"] = group
+        if wait_ms:
+            query["wait_ms"] = str(wait_ms)
+        if view is not None:
+            query["view"] = view
+        if asking_rank is not None:
+            query["asking_rank"] = str(asking_rank)
+        if min_revision is not None:
+            query["min_revision"] = str(min_revision)
+        path = f"/v1/rooms/{room}/verdict"
+        if query:
+            path += "?" + urllib.parse.urlencode(query)
+        if timeout_s is None:
+            timeout_s = wait_ms / 1000.0 + _SLACK_S
+        return self._get(path, timeout_s)
+
+    def groups(self) -> List[Dict[str, Any]]:
+        """Every group: size, live, down, missing, role."""
+        return self._get("/v1/groups", self._timeout_s)["groups"]
+
+    def group(self, name: str) -> Dict[str, Any]:
+        """One group's ranks: state, host, pid, incarnation, since, last failure."""
+        return self._get("/v1/groups/" + urllib.parse.quote(name, safe=""), self._timeout_s)
+
+    def failures(self, *, group: Optional[str] = None, limit: Optional[int] = None) -> List[Dict[str, Any]]:
+        """Recent root causes, newest first."""
+        query = {}
+        if group is not None:
+            query["group"] = group
+        if limit is not None:
+            query["limit"] = str(limit)
+        path = "/v1/failures" + ("?" + urllib.parse.urlencode(query) if query else "")
+        body = self._get(path, self._timeout_s)
+        return body["failures"] if isinstance(body, dict) and "failures" in body else body
+
+    def _get(self, path: str, timeout_s: float) -> Any:
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        last_error: Optional[BaseException] = None
+        with self._lock:
+            n = len(self._replicas)
+            for i in range(n):
+                idx = (self._preferred + i) % n
+                replica = self._replicas[idx]
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                try:
+                    status, body = replica.request(path, remaining)
+                except (OSError, http.client.HTTPException) as e:
+                    last_error = e
+                    continue
+                if status == 503:
+                    last_error = _error_from(replica.url, status, body)
+                    continue
+                self._preferred = idx
+                if status == 200:
+                    try:
+                        return json.loads(body)
+                    except ValueError as e:
+                        raise CoordinatorError(f"{replica.url} answered with invalid JSON: {e}", status=status, url=replica.url)
+                raise _error_from(replica.url, status, body)
+        urls = ", ".join(r.url for r in self._replicas)
+        if isinstance(last_error, CoordinatorError):
+            raise CoordinatorUnavailable(
+                f"no coordinator replica could answer ({urls}): {last_error}",
+                status=last_error.status,
+                code=last_error.code,
+                url=last_error.url,
+            ) from last_error
+        raise CoordinatorUnavailable(
+            f"no coordinator replica could answer ({urls}): {last_error or 'timed out'}; "
+            "check that `rootrank serve` runs and ROOTRANK_COORDINATOR points at it"
+        ) from last_error
+
+    def close(self) -> None:
+        with self._lock:
+            for r in self._replicas:
+                r.close()
+
+    def __enter__(self) -> "Coordinator":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"rootrank.Coordinator({','.join(self.urls)!r})"
+
+
+def _error_from(url: str, status: int, body: bytes) -> CoordinatorError:
+    code, message = None, body.decode("utf-8", "replace")[:500]
+    try:
+        err = json.loads(body)["error"]
+        code, message = err.get("code"), err.get("message", message)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        pass
+    cls = NotFound if status == 404 else InvalidInput if status == 400 else CoordinatorError
+    if cls is InvalidInput:
+        return InvalidInput(f"{url}: {message}")
+    return cls(f"{url} answered {status} {code or ''}: {message}".replace("  ", " "), status=status, code=code, url=url)

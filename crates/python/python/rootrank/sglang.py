@@ -1,0 +1,574 @@
+"""The SGLang plugin: rootrank in every SGLang scheduler (TP rank) process, with no change
+to SGLang.
+
+SGLang's ``load_plugins()`` calls :func:`register` through the ``sglang.srt.plugins`` entry
+point (``rootrank = rootrank.sglang:register``). When ``ROOTRANK_ETCD_ENDPOINTS`` is set it
+hooks, through SGLang's own ``HookRegistry``:
+
+- ``CommonKVManager.__init__``: the rank registers with its group (role, instance,
+  attention-DP rank), and ``failure_records`` is observed, so both of SGLang's write paths
+  (``record_failure`` and ``conclude_failure``'s ``setdefault``) publish a ``local`` record.
+- ``disaggregation.utils._poll_with_failure_injection[_pp]``: a rank whose own poll says
+  Failed with no recorded reason publishes a ``local`` record too (this is where one
+  scheduler iteration starts, which the verdict budget is shared by).
+- ``failure_exception`` of whichever classes define it (``CommonKVSender``/``Receiver`` from
+  0.5.23, ``NixlKVSender``/``Receiver`` before): SGLang's generic fallback publishes
+  ``propagated`` and is re-raised naming the culprit, when the coordinator knows it within
+  ``ROOTRANK_VERDICT_BUDGET_MS``.
+- ``sglang.utils.get_exception_traceback`` called from ``run_scheduler_process``: the
+  scheduler's fatal exception becomes a ``python_exception`` down certificate with the
+  traceback; ``Scheduler.run_event_loop`` returning: a clean ``shutdown``.
+
+Every hook catches its own exceptions (logged once per place, counted in :func:`stats`), so
+SGLang proceeds exactly as without rootrank. Turn it off with ``SGLANG_PLUGINS`` (an
+allowlist without ``rootrank``) or by unsetting ``ROOTRANK_ETCD_ENDPOINTS``.
+
+Settings (environment): ``ROOTRANK_ETCD_ENDPOINTS`` (required), ``ROOTRANK_COORDINATOR``
+(replicas, comma-separated), ``ROOTRANK_PREFIX``, ``ROOTRANK_VERDICT_BUDGET_MS`` (default
+100), ``ROOTRANK_LEASE_TTL_MS`` (default 5000), ``ROOTRANK_INSTANCE`` (names this SGLang
+instance in the group name instead of its address).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import queue
+import re
+import sys
+import threading
+import time
+import traceback
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from rootrank.reasons import classify
+
+logger = logging.getLogger("rootrank.sglang")
+
+DEFAULT_BUDGET_MS = 100
+# How long a pending room is followed in the background before the log gives up on it.
+FOLLOW_S = 120.0
+# After the coordinator could not be reached, do not try again for this long: a dead
+# coordinator must not cost every failing room a budget.
+COORDINATOR_BACKOFF_S = 5.0
+SHUTDOWN_TIMEOUT_S = 2.0
+FATAL_FLUSH_TIMEOUT_S = 2.0
+# Rooms this process already published a local record for (bounded; an old room can be
+# published twice at worst, and etcd keeps the first).
+PUBLISHED_MEMORY = 65536
+FAILED = 0  # KVPoll.Failed: plain int in every SGLang version
+
+_NON_SCHEDULER_ENTRIES = ("run_detokenizer_process", "run_data_parallel_controller_process")
+
+_stats: Dict[str, int] = {
+    "local_published": 0,
+    "propagated_published": 0,
+    "fallbacks_rewritten": 0,
+    "fallbacks_pending": 0,
+    "errors": 0,
+}
+_errors_logged: set = set()
+_plugin: Optional["_Plugin"] = None
+_register_lock = threading.Lock()
+
+
+def stats() -> Dict[str, int]:
+    """What the plugin did in this process (counters), including ``errors``: exceptions
+    inside the plugin, each caught so SGLang was not affected."""
+    return dict(_stats)
+
+
+def _fault(where: str) -> None:
+    """An exception inside a hook: count it, log it once per place, never re-raise."""
+    _stats["errors"] += 1
+    if where not in _errors_logged:
+        _errors_logged.add(where)
+        logger.warning("rootrank: internal error in %s (SGLang continues unaffected; logged once)", where, exc_info=True)
+
+
+# --------------------------------------------------------------------------- identity
+
+
+def _value(x: Any) -> Any:
+    return getattr(x, "value", x)
+
+
+_GROUP_CHARS = re.compile(r"[^A-Za-z0-9._:-]")
+
+
+def group_of(kv_mgr: Any) -> Tuple[str, int, int, Optional[str]]:
+    """``(group, rank, group_size, role)`` of the reduction group a KV manager's rank polls
+    in: one SGLang instance x attention-DP rank (x pp rank), members by (attn_cp_rank,
+    attn_tp_rank). See SGLANG-FACTS "What one reduction covers"."""
+    role = str(_value(getattr(kv_mgr, "disaggregation_mode", ""))).lower()
+    role = role if role in ("prefill", "decode") else None
+    instance = os.environ.get("ROOTRANK_INSTANCE", "").strip()
+    if not instance:
+        dist_init_addr = getattr(kv_mgr, "dist_init_addr", None)
+        if role == "prefill" and not dist_init_addr:
+            instance = f"{getattr(kv_mgr, 'bootstrap_host', None) or '127.0.0.1'}:{getattr(kv_mgr, 'bootstrap_port', 0)}"
+        elif dist_init_addr:
+            instance = str(dist_init_addr)
+        else:
+            sa = getattr(kv_mgr, "server_args", None)
+            instance = f"{getattr(sa, 'host', None) or '127.0.0.1'}:{getattr(sa, 'port', 0)}"
+    tp_size = int(getattr(kv_mgr, "attn_tp_size", 1) or 1)
+    tp_rank = int(getattr(kv_mgr, "attn_tp_rank", 0) or 0)
+    cp_size = int(getattr(kv_mgr, "attn_cp_size", 1) or 1)
+    cp_rank = int(getattr(kv_mgr, "attn_cp_rank", 0) or 0)
+    dp_rank = int(getattr(kv_mgr, "attn_dp_rank", 0) or 0)
+    group = f"{role or 'rank'}-{_GROUP_CHARS.sub('_', instance)}-dp{dp_rank}"
+    pp_size = int(getattr(kv_mgr, "pp_size", 1) or 1)
+    if pp_size > 1:
+        group += f"-pp{int(getattr(kv_mgr, 'pp_rank', 0) or 0)}"
+    if len(group) > 128:
+        group = group[:64] + group[-64:]
+    return group, cp_rank * tp_size + tp_rank, tp_size * cp_size, role
+
+
+# --------------------------------------------------------------------------- per rank
+
+
+class _Rank:
+    """One registered rank of this process (normally exactly one)."""
+
+    def __init__(self, agent: Any, group: str, rank: int):
+        self.agent = agent
+        self.group = group
+        self.rank = rank
+        self.published: Dict[int, None] = {}  # insertion-ordered set, bounded
+
+    def publish_local(self, kv_mgr: Any, room: Any, text: Any) -> None:
+        if room in self.published:
+            return
+        reason, peer = classify(str(text))
+        peer = _peer_from_manager(kv_mgr, room, peer)
+        if self.agent.record_failure(int(room), reason, str(text), origin="local", peer=peer):
+            _stats["local_published"] += 1
+        self.published[room] = None
+        if len(self.published) > PUBLISHED_MEMORY:
+            self.published.pop(next(iter(self.published)))
+
+
+def _peer_from_manager(kv_mgr: Any, room: Any, peer: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    """A prefill rank knows the decode side of a room it was sending (its NIXL agent name
+    and endpoint): name it as the peer when the text did not."""
+    if peer is not None:
+        return peer
+    infos = getattr(kv_mgr, "transfer_infos", None)
+    if not isinstance(infos, dict):
+        return None
+    per_room = infos.get(room)
+    if not isinstance(per_room, dict):
+        return None
+    for info in list(per_room.values()):
+        if getattr(info, "is_dummy", False):
+            continue
+        out: Dict[str, Any] = {}
+        name = getattr(info, "agent_name", None)
+        if isinstance(name, str) and name:
+            out["agent"] = name
+        endpoint, port = getattr(info, "endpoint", None), getattr(info, "dst_port", None)
+        if endpoint:
+            out["endpoint"] = f"{endpoint}:{port}" if port is not None else str(endpoint)
+        return out or None
+    return None
+
+
+class _FailureRecords(dict):
+    """``kv_mgr.failure_records``, observed: SGLang writes it on two paths (item assignment
+    in ``record_failure``, ``setdefault`` in ``conclude_transfer``); both publish. Reads are
+    the plain dict's, at C speed."""
+
+    __slots__ = ("_rootrank_rank", "_rootrank_mgr")
+
+    def __setitem__(self, room: Any, reason: Any) -> None:
+        dict.__setitem__(self, room, reason)
+        self._publish(room, reason)
+
+    def setdefault(self, room: Any, default: Any = None) -> Any:
+        if room in self:
+            return dict.__getitem__(self, room)
+        dict.__setitem__(self, room, default)
+        self._publish(room, default)
+        return default
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        for room, reason in dict(*args, **kwargs).items():
+            self[room] = reason
+
+    def _publish(self, room: Any, reason: Any) -> None:
+        try:
+            self._rootrank_rank.publish_local(self._rootrank_mgr, room, reason)
+        except Exception:
+            _fault("failure_records write")
+
+
+# --------------------------------------------------------------------------- the plugin
+
+
+class _Plugin:
+    def __init__(self, endpoints: str):
+        self.endpoints = endpoints
+        self.ranks: Dict[str, _Rank] = {}
+        self.dead = False  # a fatal certificate was written: no clean shutdown at exit
+        budget = os.environ.get("ROOTRANK_VERDICT_BUDGET_MS", "").strip()
+        try:
+            self.budget_s = max(0.0, float(budget)) / 1000.0 if budget else DEFAULT_BUDGET_MS / 1000.0
+        except ValueError:
+            logger.warning("rootrank: ROOTRANK_VERDICT_BUDGET_MS=%r is not a number; using %d", budget, DEFAULT_BUDGET_MS)
+            self.budget_s = DEFAULT_BUDGET_MS / 1000.0
+        try:
+            self.lease_ttl_ms = int(os.environ.get("ROOTRANK_LEASE_TTL_MS", "5000"))
+        except ValueError:
+            self.lease_ttl_ms = 5000
+        self.coordinator = None
+        urls = os.environ.get("ROOTRANK_COORDINATOR", "").strip()
+        if urls:
+            try:
+                from rootrank.coordinator import Coordinator
+
+                self.coordinator = Coordinator(urls)
+            except Exception:
+                _fault("ROOTRANK_COORDINATOR")
+        self.coordinator_down_until = 0.0
+        # The budget: one deadline per scheduler iteration (the poll hook bumps the epoch).
+        self.epoch = 0
+        self.burst_epoch = -1
+        self.burst_deadline = 0.0
+        self.follow: "queue.Queue[Tuple[int, str, int, str, float]]" = queue.Queue(maxsize=10000)
+        self.follower: Optional[threading.Thread] = None
+
+    # ---- registration
+
+    def on_kv_manager(self, kv_mgr: Any) -> None:
+        import rootrank
+
+        group, rank, size, role = group_of(kv_mgr)
+        r = self.ranks.get(group)
+        if r is None:
+            nixl = getattr(getattr(kv_mgr, "agent", None), "name", None)
+            agent = rootrank.Agent(
+                group,
+                rank,
+                size,
+                etcd_endpoints=self.endpoints,
+                lease_ttl_ms=self.lease_ttl_ms,
+                role=role,
+                nixl_agent=nixl if isinstance(nixl, str) else None,
+            )
+            r = _Rank(agent, group, rank)
+            self.ranks[group] = r
+            logger.info("rootrank: rank %d of %s (size %d, role %s) registering with etcd %s", rank, group, size, role, self.endpoints)
+        records = _FailureRecords(getattr(kv_mgr, "failure_records", None) or {})
+        records._rootrank_rank = r
+        records._rootrank_mgr = kv_mgr
+        kv_mgr.failure_records = records
+        kv_mgr._rootrank_rank = r
+        # Reasons recorded before the hook (none in practice) are published too.
+        for room, reason in list(records.items()):
+            r.publish_local(kv_mgr, room, reason)
+
+    # ---- local Failed polls
+
+    def on_polls(self, polls: List[int], pollers: List[Any]) -> None:
+        for poll, poller in zip(polls, pollers):
+            if poll != FAILED:
+                continue
+            kv_mgr = getattr(poller, "kv_mgr", None)
+            r = getattr(kv_mgr, "_rootrank_rank", None)
+            room = getattr(poller, "bootstrap_room", None)
+            if r is None or room is None or room in r.published:
+                continue
+            recorded = kv_mgr.failure_records.get(room)
+            if recorded is not None:
+                r.publish_local(kv_mgr, room, recorded)
+                continue
+            injected = os.environ.get("SGLANG_TEST_DISAGG_FAILURE_PROB", "")
+            detail = (
+                "this rank's own poll returned KVPoll.Failed with no recorded reason"
+                + (f" (SGLANG_TEST_DISAGG_FAILURE_PROB={injected} fault injection is on)" if injected not in ("", "0", "0.0") else
+                   " (a staging timeout, a HiCache restore failure or a test fault injection)")
+            )
+            r.publish_local(kv_mgr, room, detail)
+
+    # ---- the fallback
+
+    def budget_left(self) -> float:
+        now = time.monotonic()
+        if self.burst_epoch != self.epoch or now > self.burst_deadline + 1.0:
+            self.burst_epoch = self.epoch
+            self.burst_deadline = now + self.budget_s
+        return self.burst_deadline - now
+
+    def on_fallback(self, owner: Any, exc: BaseException) -> None:
+        kv_mgr = getattr(owner, "kv_mgr", None)
+        r: Optional[_Rank] = getattr(kv_mgr, "_rootrank_rank", None)
+        room = getattr(exc, "bootstrap_room", None)
+        if r is None or room is None:
+            return
+        original = str(getattr(exc, "failure_reason", "") or (exc.args[0] if exc.args else ""))
+        if r.agent.record_failure(int(room), "other", original, origin="propagated"):
+            _stats["propagated_published"] += 1
+        verdict = None
+        left = self.budget_left()
+        if self.coordinator is not None and left > 0.001 and time.monotonic() >= self.coordinator_down_until:
+            try:
+                verdict = self.coordinator.verdict(
+                    int(room),
+                    group=r.group,
+                    wait_ms=max(0, int(left * 1000) - 2),
+                    asking_rank=r.rank,
+                    timeout_s=left,
+                )
+            except Exception as e:
+                from rootrank.errors import CoordinatorUnavailable
+
+                if isinstance(e, CoordinatorUnavailable):
+                    self.coordinator_down_until = time.monotonic() + COORDINATOR_BACKOFF_S
+                    logger.debug("rootrank: coordinator unavailable: %s", e)
+                else:
+                    _fault("verdict lookup")
+        text = culprit_text(verdict)
+        if text is None:
+            text = f"{original} (rootrank: pending, see rootrank why {room} --group {r.group})"
+            _stats["fallbacks_pending"] += 1
+            self.follow_later(int(room), r.group, r.rank, original)
+        else:
+            _stats["fallbacks_rewritten"] += 1
+        _set_reason(exc, text)
+
+    def follow_later(self, room: int, group: str, rank: int, original: str) -> None:
+        """Logs the culprit of a room that was still pending when the budget ran out, as soon
+        as it resolves (one background thread, long polls, never the scheduler's)."""
+        if self.coordinator is None:
+            return
+        try:
+            self.follow.put_nowait((room, group, rank, original, time.monotonic() + FOLLOW_S))
+        except queue.Full:
+            return
+        if self.follower is None or not self.follower.is_alive():
+            self.follower = threading.Thread(target=self._follow_loop, name="rootrank-follow", daemon=True)
+            self.follower.start()
+
+    def _follow_loop(self) -> None:
+        from rootrank.coordinator import Coordinator
+
+        client = Coordinator(self.coordinator.urls) if self.coordinator else None
+        while client is not None:
+            room, group, rank, original, until = self.follow.get()
+            try:
+                while True:
+                    left = until - time.monotonic()
+                    if left <= 0:
+                        logger.warning("rootrank: room %d (%s): no culprit within %.0f s; see rootrank why %d --group %s", room, group, FOLLOW_S, room, group)
+                        break
+                    try:
+                        v = client.verdict(room, group=group, wait_ms=int(min(left, 30.0) * 1000), asking_rank=rank)
+                    except Exception:
+                        time.sleep(min(1.0, max(0.0, left)))
+                        continue
+                    text = culprit_text(v)
+                    if text is not None:
+                        logger.error("rootrank: KVTransferError(bootstrap_room=%d) was %r: %s", room, original, text)
+                        break
+                    if v.get("status") == "unknown":
+                        logger.warning("rootrank: room %d: no rank of %s failed it (%s)", room, group, v.get("explain", "cause outside the group"))
+                        break
+            except Exception:
+                _fault("follow pending room")
+
+    # ---- exits
+
+    def on_fatal(self, tb: str) -> None:
+        lines = [l for l in str(tb).splitlines() if l.strip()]
+        detail = lines[-1] if lines else "scheduler exception"
+        for r in list(self.ranks.values()):
+            r.agent.record_down("python_exception", detail, log_tail=lines[-100:])
+        for r in list(self.ranks.values()):
+            r.agent.flush(FATAL_FLUSH_TIMEOUT_S)
+        self.dead = True
+        logger.info("rootrank: fatal scheduler exception certified for %s", ", ".join(self.ranks) or "no rank")
+
+    def on_clean_exit(self) -> None:
+        if self.dead:
+            return
+        for r in list(self.ranks.values()):
+            if not r.agent.stopped:
+                r.agent.shutdown(SHUTDOWN_TIMEOUT_S)
+
+    def at_exit(self) -> None:
+        try:
+            last = getattr(sys, "last_value", None)
+            if last is not None and not self.dead and self.ranks:
+                self.on_fatal("".join(traceback.format_exception(type(last), last, last.__traceback__)))
+            self.on_clean_exit()
+        except Exception:
+            _fault("exit")
+
+
+def culprit_text(verdict: Optional[Dict[str, Any]]) -> Optional[str]:
+    """``failed at GROUP rank R: REASON (SOURCE): DETAIL`` for a resolved verdict, else None."""
+    if not verdict or verdict.get("status") != "resolved":
+        return None
+    c = verdict.get("culprit") or {}
+    if "group" not in c or "rank" not in c:
+        return None
+    text = f"failed at {c['group']} rank {c['rank']}: {c.get('reason', 'other')} ({c.get('source', '?')})"
+    detail = str(c.get("detail") or "").strip()
+    return f"{text}: {detail}" if detail else text
+
+
+def _set_reason(exc: BaseException, text: str) -> None:
+    """Rewrites the message of SGLang's own exception object: same type, room and
+    ``is_from_another_rank``, same traceback."""
+    if hasattr(exc, "failure_reason"):
+        exc.failure_reason = text
+    exc.args = (text,)
+
+
+# --------------------------------------------------------------------------- hooks
+
+
+def _after_kv_manager_init(result: Any, kv_mgr: Any, *args: Any, **kwargs: Any) -> None:
+    try:
+        if _plugin is not None and not isinstance(getattr(kv_mgr, "failure_records", None), _FailureRecords):
+            _plugin.on_kv_manager(kv_mgr)
+    except Exception:
+        _fault("KV manager registration")
+    return None
+
+
+def _after_poll(polls: Any, pollers: Any = None, *args: Any, **kwargs: Any) -> None:
+    p = _plugin
+    if p is not None:
+        p.epoch += 1
+        if FAILED in polls:
+            try:
+                p.on_polls(polls, pollers)
+            except Exception:
+                _fault("poll hook")
+    return None
+
+
+def _around_failure_exception(original: Callable[..., Any], owner: Any, *args: Any, **kwargs: Any) -> Any:
+    try:
+        return original(owner, *args, **kwargs)
+    except Exception as exc:
+        if _plugin is not None and getattr(exc, "is_from_another_rank", False) is True:
+            try:
+                _plugin.on_fallback(owner, exc)
+            except Exception:
+                _fault("fallback rewrite")
+        raise
+
+
+def _after_exception_traceback(result: Any, *args: Any, **kwargs: Any) -> None:
+    try:
+        if _plugin is None or _plugin.dead or not _plugin.ranks:
+            return None
+        frame = sys._getframe(1)
+        for _ in range(4):
+            if frame is None:
+                return None
+            if frame.f_code.co_name == "run_scheduler_process":
+                _plugin.on_fatal(result)
+                return None
+            frame = frame.f_back
+    except Exception:
+        _fault("fatal exception hook")
+    return None
+
+
+def _around_run_event_loop(original: Callable[..., Any], scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+    result = original(scheduler, *args, **kwargs)
+    try:
+        if _plugin is not None:
+            _plugin.on_clean_exit()
+    except Exception:
+        _fault("clean exit")
+    return result
+
+
+def _called_from(names: Tuple[str, ...]) -> bool:
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name in names:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _fallback_classes() -> List[type]:
+    """The classes whose own ``failure_exception`` raises the generic fallback: the shared
+    ``CommonKVSender``/``CommonKVReceiver`` from SGLang 0.5.23, ``NixlKVSender``/
+    ``NixlKVReceiver`` in 0.5.18-0.5.22."""
+    import importlib
+
+    found = []
+    for module, names in (
+        ("sglang.srt.disaggregation.common.conn", ("CommonKVSender", "CommonKVReceiver")),
+        ("sglang.srt.disaggregation.nixl.conn", ("NixlKVSender", "NixlKVReceiver")),
+    ):
+        try:
+            mod = importlib.import_module(module)
+        except Exception:
+            continue
+        for name in names:
+            cls = getattr(mod, name, None)
+            if isinstance(cls, type) and "failure_exception" in cls.__dict__:
+                found.append(cls)
+    return found
+
+
+def register() -> None:
+    """The entry point SGLang's ``load_plugins()`` calls once per process. Never raises."""
+    global _plugin
+    try:
+        with _register_lock:
+            if _plugin is not None:
+                return
+            endpoints = os.environ.get("ROOTRANK_ETCD_ENDPOINTS", "").strip()
+            if not endpoints:
+                logger.info("rootrank: ROOTRANK_ETCD_ENDPOINTS is not set; the plugin is inactive and changes nothing")
+                return
+            if _called_from(_NON_SCHEDULER_ENTRIES):
+                return
+            _install(_Plugin(endpoints))
+    except Exception:
+        _plugin = None
+        _fault("register")
+
+
+def _install(plugin: "_Plugin") -> None:
+    global _plugin
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    hooked = []
+
+    def hook(target: str, fn: Callable[..., Any], kind: Any) -> None:
+        HookRegistry.register(target, fn, kind)
+        hooked.append(target.rsplit(".", 2)[-2] + "." + target.rsplit(".", 1)[-1])
+
+    hook("sglang.srt.disaggregation.common.conn.CommonKVManager.__init__", _after_kv_manager_init, HookType.AFTER)
+    import sglang.srt.disaggregation.utils as dutils
+
+    for fn in ("_poll_with_failure_injection", "_poll_with_failure_injection_pp"):
+        if hasattr(dutils, fn):
+            hook(f"sglang.srt.disaggregation.utils.{fn}", _after_poll, HookType.AFTER)
+    for cls in _fallback_classes():
+        hook(f"{cls.__module__}.{cls.__qualname__}.failure_exception", _around_failure_exception, HookType.AROUND)
+    hook("sglang.utils.get_exception_traceback", _after_exception_traceback, HookType.AFTER)
+    hook("sglang.srt.managers.scheduler.Scheduler.run_event_loop", _around_run_event_loop, HookType.AROUND)
+    _plugin = plugin
+    atexit.register(plugin.at_exit)
+    try:
+        import sglang
+
+        version = getattr(sglang, "__version__", "?")
+    except Exception:
+        version = "?"
+    logger.info("rootrank: SGLang %s plugin active (etcd %s, coordinator %s, budget %d ms); hooked %s",
+                version, plugin.endpoints, ",".join(plugin.coordinator.urls) if plugin.coordinator else "none",
+                int(plugin.budget_s * 1000), ", ".join(hooked))

@@ -1,0 +1,210 @@
+"""One SGLang prefill TP rank, started the way SGLang starts a scheduler, running SGLang's
+own disaggregation code on the CPU (see ../shared/SGLANG-FACTS.md, "Running the real SGLang
+code on a CPU-only machine").
+
+    python sglang_rank.py --rank R --world N --gloo-port P --bootstrap-port B \
+        --scenario NAME --room ROOM --out FILE
+
+It calls SGLang's ``load_plugins()`` first (so the rootrank plugin is found through the
+installed wheel's entry point metadata, exactly as ``run_scheduler_process`` does), publishes
+the runtime context, joins a real gloo group on loopback, builds a real ``NixlKVManager`` and
+``NixlKVSender``, and then runs the scenario through SGLang's real ``poll_and_all_reduce`` and
+``failure_exception``. What the rank raised is written to ``--out`` as JSON.
+
+Scenarios (``--culprit`` names the failing rank):
+- ``record``: the culprit's reason enters through the real ``CommonKVManager.record_failure``.
+- ``conclude``: the same through ``conclude_failure`` (the ``setdefault`` path).
+- ``inject``: the culprit's own poll returns Failed with no reason (SGLang's fault injection,
+  ``SGLANG_TEST_DISAGG_FAILURE_PROB=1`` set on that rank only).
+- ``kill``: the culprit SIGKILLs itself (as the OOM killer would) after registering; the
+  survivors' poll reports Failed the way SGLang's would once the peer is gone.
+- ``fatal``: the culprit dies in SGLang's real ``run_scheduler_process`` with an exception
+  (its parent, like SGLang's launcher, receives the SIGQUIT).
+- ``none``: nobody fails on purpose; every rank records itself (for the plugin-off checks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+import traceback
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--world", type=int, required=True)
+    ap.add_argument("--gloo-port", type=int, required=True)
+    ap.add_argument("--bootstrap-port", type=int, required=True)
+    ap.add_argument("--scenario", required=True)
+    ap.add_argument("--culprit", type=int, default=1)
+    ap.add_argument("--room", type=int, required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--model-dir", required=True)
+    args = ap.parse_args()
+    if args.scenario == "inject" and args.rank == args.culprit:
+        # Read by SGLang on every poll (envs.SGLANG_TEST_DISAGG_FAILURE_PROB); set before
+        # any thread exists, in this test process only.
+        os.environ["SGLANG_TEST_DISAGG_FAILURE_PROB"] = "1"
+
+    t0 = time.monotonic()
+    # Exactly as run_scheduler_process: plugins first.
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+
+    import numpy as np
+    import torch.distributed as dist
+    from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
+    from sglang.srt.disaggregation.common.conn import KVTransferError
+    from sglang.srt.disaggregation.nixl.conn import NixlKVBootstrapServer, NixlKVManager, NixlKVSender
+    from sglang.srt.disaggregation.utils import DisaggregationMode, poll_and_all_reduce
+    from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish
+    from sglang.srt.server_args import ServerArgs
+
+    server_args = ServerArgs(
+        model_path=args.model_dir,
+        disaggregation_mode="prefill",
+        disaggregation_transfer_backend="nixl",
+        disaggregation_bootstrap_port=args.bootstrap_port,
+        device="cpu",
+        skip_tokenizer_init=True,
+        host="127.0.0.1",
+        tp_size=args.world,
+    )
+    publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=args.rank, dp_rank=None, gpu_id=0))
+    get_parallel().override_permanently(pp_group=None)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{args.gloo_port}", rank=args.rank, world_size=args.world
+    )
+    gloo_group = dist.new_group(list(range(args.world)), backend="gloo")
+    server = None
+    if args.rank == 0:
+        server = NixlKVBootstrapServer("127.0.0.1", args.bootstrap_port)
+    dist.barrier(group=gloo_group)
+
+    kv = np.zeros(4096, dtype=np.uint8)
+    aux = np.zeros(256, dtype=np.uint8)
+    kv_args = KVArgs()
+    kv_args.engine_rank = args.rank
+    kv_args.kv_data_ptrs = [kv.ctypes.data]
+    kv_args.kv_data_lens = [kv.nbytes]
+    kv_args.kv_item_lens = [64]
+    kv_args.kv_layer_ids = [0]
+    kv_args.kv_data_mem_kinds = ["DRAM"]
+    kv_args.kv_cache_dtype_str = "bfloat16"
+    kv_args.kv_layout = None
+    kv_args.aux_data_ptrs = [aux.ctypes.data]
+    kv_args.aux_data_lens = [aux.nbytes]
+    kv_args.aux_item_lens = [16]
+    kv_args.state_types = []
+    kv_args.state_data_ptrs = []
+    kv_args.state_data_lens = []
+    kv_args.state_item_lens = []
+    kv_args.state_layer_ids = []
+    kv_args.state_dim_per_tensor = []
+    kv_args.state_slice_outer_counts = []
+    kv_args.state_conv_shard_groups = []
+    kv_args.swa_kv_cache_layout = None
+    kv_args.is_hybrid_mla_backend = False
+    kv_args.ib_device = None
+    kv_args.gpu_id = 0
+    kv_args.kv_head_num = 1
+    kv_args.total_kv_head_num = args.world
+    kv_args.page_size = 1
+    kv_args.system_dp_rank = 0
+    kv_args.rust_http_port = None
+    kv_args.pp_rank = 0
+    kv_args.prefill_start_layer = 0
+    kv_args.prefill_end_layer = 1
+    kv_args.mla_compression_ratios = None
+    kv_args.kv_buf_groups = 1
+    kv_args.hidden_kv_layers = 1
+    kv_args.draft_kv_layers = 0
+    kv_args.num_draft_entries = 0
+
+    kv_mgr = NixlKVManager(kv_args, DisaggregationMode.PREFILL, server_args)
+    sender = NixlKVSender(kv_mgr, f"127.0.0.1:{args.bootstrap_port}", args.room)
+    result = {"rank": args.rank, "setup_s": round(time.monotonic() - t0, 2), "group_hint": None}
+    rr = getattr(kv_mgr, "_rootrank_rank", None)
+    if rr is not None:
+        result["group"] = rr.group
+        rr.agent.wait_registered(10.0)
+        result["incarnation"] = rr.agent.incarnation
+    dist.barrier(group=gloo_group)
+
+    culprit = args.rank == args.culprit
+    if culprit and args.scenario == "record":
+        kv_mgr.record_failure(args.room, f"NIXL transfer encountered ERR room={args.room}")
+        kv_mgr.update_status(args.room, KVPoll.Failed)
+    elif culprit and args.scenario == "conclude":
+        kv_mgr.conclude_failure(bootstrap_room=args.room, failure_reason="KVSender failed to post transfer")
+    elif culprit and args.scenario == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif culprit and args.scenario == "fatal":
+        fatal(server_args)
+        return
+    if args.scenario in ("kill", "fatal"):
+        # The peer is gone: SGLang's own timeout or heartbeat would mark the room Failed
+        # on this rank (with no reason of its own); the collective has no partner left.
+        kv_mgr.update_status(args.room, KVPoll.Failed)
+        polls = [int(sender.poll())]
+    else:
+        polls = poll_and_all_reduce([sender], gloo_group)
+    result["polls"] = polls
+    if polls[0] == int(KVPoll.Failed):
+        t1 = time.monotonic()
+        try:
+            sender.failure_exception()
+            result["raised"] = None
+        except KVTransferError as e:
+            result["raised"] = {
+                "type": type(e).__name__,
+                "module": type(e).__module__,
+                "room": e.bootstrap_room,
+                "is_from_another_rank": e.is_from_another_rank,
+                "str": str(e),
+            }
+        result["fallback_ms"] = round((time.monotonic() - t1) * 1000, 2)
+    try:
+        import rootrank.sglang as plugin
+
+        result["plugin_stats"] = plugin.stats()
+    except ImportError:
+        pass
+    with open(args.out, "w") as f:
+        json.dump(result, f)
+    if args.scenario not in ("kill", "fatal"):
+        dist.barrier(group=gloo_group)
+    if server is not None:
+        server.close() if hasattr(server, "close") else None
+    os._exit(0)
+
+
+def fatal(server_args) -> None:
+    """Dies in SGLang's real run_scheduler_process: its Scheduler() raises (the model
+    directory holds a config and no weights), the except branch logs the traceback through
+    sglang.utils.get_exception_traceback and SIGQUITs the parent."""
+    from sglang.srt.managers.scheduler import run_scheduler_process
+    from sglang.srt.server_args import PortArgs
+
+    port_args = PortArgs.init_new(server_args)
+    r, w = __import__("multiprocessing").Pipe(duplex=False)
+    run_scheduler_process(server_args, port_args, 0, 1, 0, None, w)
+    os._exit(3)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except SystemExit:
+        raise
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(2)
