@@ -53,6 +53,9 @@ def main() -> None:
         os.environ["SGLANG_TEST_DISAGG_FAILURE_PROB"] = "1"
 
     t0 = time.monotonic()
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    with open(os.path.join(out_dir, f"pid{args.rank}"), "w") as f:
+        f.write(str(os.getpid()))
     # Exactly as run_scheduler_process: plugins first.
     from sglang.srt.plugins import load_plugins
 
@@ -150,6 +153,7 @@ def main() -> None:
         fatal(server_args)
         return
     if args.scenario in ("kill", "fatal"):
+        wait_gone(os.path.join(out_dir, f"pid{args.culprit}"))
         # The peer is gone: SGLang's own timeout or heartbeat would mark the room Failed
         # on this rank (with no reason of its own); the collective has no partner left.
         kv_mgr.update_status(args.room, KVPoll.Failed)
@@ -184,6 +188,21 @@ def main() -> None:
     if server is not None:
         server.close() if hasattr(server, "close") else None
     os._exit(0)
+
+
+def wait_gone(pid_file: str, timeout_s: float = 120.0) -> None:
+    """Until the culprit's process has exited (what a survivor notices, one way or another,
+    before SGLang fails its rooms)."""
+    pid = int(open(pid_file).read())
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                    return
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            return
+        time.sleep(0.02)
 
 
 def fatal(server_args) -> None:

@@ -318,7 +318,9 @@ class _Plugin:
                 verdict = self.coordinator.verdict(
                     int(room),
                     group=r.group,
-                    wait_ms=max(0, int(left * 1000) - 2),
+                    # The server answers by wait_ms; the rest of the budget is for the
+                    # network, so only a coordinator that is really slow or gone times out.
+                    wait_ms=max(0, int(left * 800) - 1),
                     asking_rank=r.rank,
                     timeout_s=left,
                 )
@@ -569,6 +571,8 @@ def _install(plugin: "_Plugin") -> None:
         version = getattr(sglang, "__version__", "?")
     except Exception:
         version = "?"
-    logger.info("rootrank: SGLang %s plugin active (etcd %s, coordinator %s, budget %d ms); hooked %s",
+    # WARNING, not INFO: load_plugins() runs before SGLang configures logging, and this one
+    # line is what tells an operator rootrank is in (and what it hooked).
+    logger.warning("rootrank: SGLang %s plugin active (etcd %s, coordinator %s, budget %d ms); hooked %s",
                 version, plugin.endpoints, ",".join(plugin.coordinator.urls) if plugin.coordinator else "none",
                 int(plugin.budget_s * 1000), ", ".join(hooked))

@@ -1,0 +1,22 @@
+# The Python package and the SGLang plugin (crates/python). Included by the root Makefile.
+#
+#   make wheel         dist/rootrank-<version>-cp39-abi3-linux_x86_64.whl (any CPython >= 3.9)
+#   make test-python   the Python API and real-SGLang tests (tests/python), in the cached
+#                      SGLang venv (~/.cache/rootrank/sglang-0.5.23, built once)
+#   make bench-python  the plugin's costs (record_failure, poll hook, fallback budget)
+
+.PHONY: wheel test-python bench-python
+
+wheel:
+	@scripts/wheel.sh
+
+test-python: deps
+	$(CARGO) build --bin rootrank
+	@scripts/test-python.sh
+
+bench-python: deps
+	$(CARGO) build --release --bin rootrank
+	@ROOTRANK_BIN=$(CURDIR)/target/release/rootrank scripts/test-python.sh --no-header -p no:randomly -s -k bench tests/python/bench_python.py
+
+# `make test` runs the Python tests too.
+test: test-python

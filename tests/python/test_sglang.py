@@ -1,0 +1,189 @@
+"""rootrank inside the real SGLang 0.5.23: two prefill TP ranks (tests/python/sglang_rank.py)
+that start as SGLang's scheduler does, join a real gloo group, build real NixlKVManagers and
+senders, and run SGLang's own poll_and_all_reduce and failure_exception. Each test asserts
+what an operator checks: the exception the survivors raise, the coordinator's verdict, and
+`rootrank why`."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import free_port, wait_until
+
+HERE = Path(__file__).resolve().parent
+LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+         "intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": 2,
+         "num_hidden_layers": 1, "vocab_size": 256, "max_position_embeddings": 512,
+         "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2}
+FALLBACK = "Failed due to an unknown reason from another rank"
+# SGLang's launcher: the parent of a scheduler, which SIGQUITs it on a fatal exception.
+LAUNCHER = (
+    "import signal, subprocess, sys\n"
+    "signal.signal(signal.SIGQUIT, lambda *a: open(sys.argv[1], 'w').write('SIGQUIT'))\n"
+    "rc = subprocess.call(sys.argv[2:])\n"
+    "sys.exit(rc if rc >= 0 else 128 - rc)\n"
+)
+
+
+def run_group(tmp: Path, scenario: str, env: dict, room: int = 4_611_686_018_427_387_904, culprit: int = 1):
+    model = tmp / "model"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text(json.dumps(LLAMA))
+    gloo, boot = free_port(), free_port()
+    base = {k: v for k, v in os.environ.items() if not k.startswith("ROOTRANK_")}
+    base.update(HF_HUB_OFFLINE="1", SGLANG_CACHE_DIR=str(tmp / "sglang-cache"), UCX_TLS="tcp,self,sm",
+                ROOTRANK_LEASE_TTL_MS="1000", **env)
+    procs = []
+    for rank in (0, 1):
+        cmd = [sys.executable, str(HERE / "sglang_rank.py"), "--rank", str(rank), "--world", "2",
+               "--gloo-port", str(gloo), "--bootstrap-port", str(boot), "--scenario", scenario,
+               "--culprit", str(culprit), "--room", str(room), "--out", str(tmp / f"out{rank}.json"),
+               "--model-dir", str(model)]
+        cmd = [sys.executable, "-c", LAUNCHER, str(tmp / f"launcher{rank}.signal"), *cmd]
+        procs.append(subprocess.Popen(cmd, env=base, stdout=open(tmp / f"rank{rank}.log", "w"), stderr=subprocess.STDOUT))
+    codes = [p.wait(240) for p in procs]
+    outs = {}
+    for rank in (0, 1):
+        f = tmp / f"out{rank}.json"
+        outs[rank] = json.loads(f.read_text()) if f.exists() else None
+    logs = {rank: (tmp / f"rank{rank}.log").read_text() for rank in (0, 1)}
+    return room, codes, outs, logs
+
+
+def culprit_group(outs) -> str:
+    return next(o["group"] for o in outs.values() if o and "group" in o)
+
+
+def assert_survivor_names(out: dict, room: int, text: str):
+    raised = out["raised"]
+    assert raised["type"] == "KVTransferError" and raised["module"] == "sglang.srt.disaggregation.common.conn"
+    assert raised["room"] == room and raised["is_from_another_rank"] is True
+    assert text in raised["str"], raised["str"]
+
+
+@pytest.fixture
+def plugin_env(etcd, coordinator):
+    return {"ROOTRANK_ETCD_ENDPOINTS": etcd.url, "ROOTRANK_COORDINATOR": coordinator.url,
+            "ROOTRANK_VERDICT_BUDGET_MS": "3000"}
+
+
+def test_1_record_failure_names_the_culprit(tmp, coordinator, plugin_env):
+    room, codes, outs, logs = run_group(tmp, "record", plugin_env)
+    assert codes == [0, 0], logs
+    group = culprit_group(outs)
+    # The culprit raises its own reason, as without rootrank.
+    assert outs[1]["raised"]["str"] == f"KVTransferError(bootstrap_room={room}): NIXL transfer encountered ERR room={room}"
+    assert outs[1]["raised"]["is_from_another_rank"] is False
+    assert_survivor_names(outs[0], room, f"failed at {group} rank 1: nixl_error (room_record): NIXL transfer encountered ERR room={room}")
+    print("AFTER:", outs[0]["raised"]["str"])
+    v = coordinator.verdict(room, group)
+    assert v["status"] == "resolved" and v["culprit"]["rank"] == 1 and v["culprit"]["reason"] == "nixl_error"
+    why = coordinator.why(room, group)
+    assert why.returncode == 0 and "rank 1" in why.stdout and "nixl_error" in why.stdout, why.stdout
+    assert "rootrank: SGLang 0.5.23 plugin active" in logs[0] and "CommonKVSender.failure_exception" in logs[0]
+
+
+def test_2_conclude_failure_path(tmp, coordinator, plugin_env):
+    room, codes, outs, logs = run_group(tmp, "conclude", plugin_env)
+    assert codes == [0, 0], logs
+    group = culprit_group(outs)
+    assert_survivor_names(outs[0], room, f"failed at {group} rank 1: nixl_error (room_record): KVSender failed to post transfer")
+    assert coordinator.verdict(room, group)["culprit"]["rank"] == 1
+
+
+def test_3_failed_poll_without_reason_is_named(tmp, coordinator, plugin_env):
+    room, codes, outs, logs = run_group(tmp, "inject", plugin_env)
+    assert codes == [0, 0], logs
+    group = culprit_group(outs)
+    # SGLang itself: both ranks raise the fallback (nobody recorded a reason)...
+    assert outs[1]["raised"]["is_from_another_rank"] is True
+    # ...rootrank: both are told it was rank 1, whose own poll failed.
+    for rank in (0, 1):
+        assert_survivor_names(outs[rank], room, f"failed at {group} rank 1: other (room_record): this rank's own poll returned KVPoll.Failed")
+    assert coordinator.verdict(room, group)["culprit"]["rank"] == 1
+
+
+def test_4_sigkilled_rank_is_named(tmp, coordinator, plugin_env):
+    room, codes, outs, logs = run_group(tmp, "kill", plugin_env)
+    assert codes[1] == 128 + signal.SIGKILL, (codes, logs[1])
+    assert codes[0] == 0, logs[0]
+    group = culprit_group(outs)
+    assert_survivor_names(outs[0], room, f"failed at {group} rank 1: lease_expired (lease_expired)")
+    v = coordinator.verdict(room, group)
+    assert v["culprit"]["rank"] == 1 and v["culprit"]["reason"] == "lease_expired"
+    assert coordinator.rank_state(group, 1) == "down"
+
+
+def test_5_fatal_scheduler_exception_carries_its_traceback(tmp, coordinator, plugin_env):
+    room, codes, outs, logs = run_group(tmp, "fatal", plugin_env)
+    assert (tmp / "launcher1.signal").read_text() == "SIGQUIT", "SGLang's run_scheduler_process did not SIGQUIT its parent"
+    assert "Scheduler hit an exception" in logs[1]
+    group = culprit_group(outs)
+    assert_survivor_names(outs[0], room, f"failed at {group} rank 1: python_exception (down_certificate)")
+    v = coordinator.verdict(room, group)
+    tail = v["culprit"]["log_tail"]
+    assert tail and tail[0].startswith("Traceback") and "run_scheduler_process" in "\n".join(tail), tail
+
+
+@pytest.mark.parametrize("setup", ["unset", "etcd_unreachable"])
+def test_6_sglang_unchanged_without_rootrank(tmp, setup):
+    if setup == "unset":
+        env = {}
+    else:
+        env = {"ROOTRANK_ETCD_ENDPOINTS": f"http://127.0.0.1:{free_port()}",
+               "ROOTRANK_COORDINATOR": f"http://127.0.0.1:{free_port()}", "ROOTRANK_VERDICT_BUDGET_MS": "50"}
+    room, codes, outs, logs = run_group(tmp, "record", env)
+    assert codes == [0, 0], logs
+    assert outs[1]["raised"]["str"] == f"KVTransferError(bootstrap_room={room}): NIXL transfer encountered ERR room={room}"
+    raised = outs[0]["raised"]
+    assert raised["type"] == "KVTransferError" and raised["room"] == room and raised["is_from_another_rank"] is True
+    if setup == "unset":
+        # Exactly SGLang's own text: the plugin changed nothing.
+        assert raised["str"] == f"KVTransferError(bootstrap_room={room}): {FALLBACK}"
+        print("BEFORE:", raised["str"])
+        assert "plugin active" not in logs[0] and outs[0]["plugin_stats"] == {
+            "local_published": 0, "propagated_published": 0, "fallbacks_rewritten": 0, "fallbacks_pending": 0, "errors": 0}
+    else:
+        # SGLang's text with the pointer to rootrank, within the budget.
+        assert raised["str"].startswith(f"KVTransferError(bootstrap_room={room}): {FALLBACK} (rootrank: pending")
+        assert outs[0]["fallback_ms"] < 1000
+        assert outs[0]["plugin_stats"]["errors"] == 0
+
+
+@pytest.mark.parametrize("version,sender_text,receiver_text", [
+    ("0.5.18", "NIXL KVSender Exception", "NIXL KVReceiver Exception"),
+    ("0.5.22", "NIXL KVSender Exception", "NIXL KVReceiver Exception"),
+])
+def test_older_sglang_fallbacks(tmp, etcd, coordinator, version, sender_text, receiver_text):
+    import rootrank
+
+    site = Path(os.environ.get("ROOTRANK_CACHE_DIR", Path.home() / ".cache" / "rootrank")) / "sglang-older" / version / "site"
+    assert site.is_dir(), f"{site} missing: run scripts/sglang-venv.sh"
+    group, known, pending = "prefill-10.0.0.5:8998-dp0", 1001, 1002
+    with rootrank.Agent(group, 1, 2, etcd_endpoints=etcd.url, lease_ttl_ms=1000) as culprit:
+        culprit.record_failure(known, "nixl_error", f"NIXL transfer encountered ERR room={known}")
+        assert culprit.flush(10)
+        env = {**{k: v for k, v in os.environ.items() if not k.startswith("ROOTRANK_")}, "PYTHONPATH": str(site),
+               "HF_HUB_OFFLINE": "1", "SGLANG_CACHE_DIR": str(tmp / "sgc"), "ROOTRANK_ETCD_ENDPOINTS": etcd.url,
+               "ROOTRANK_COORDINATOR": coordinator.url, "ROOTRANK_VERDICT_BUDGET_MS": "300", "ROOTRANK_LEASE_TTL_MS": "1000"}
+        p = subprocess.run([sys.executable, str(HERE / "older_fallback.py"), str(known), str(pending), group],
+                           env=env, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stdout + p.stderr
+    head, *cases = [json.loads(l) for l in p.stdout.splitlines() if l.startswith("{")]
+    assert head == {"version": version, "sender_hooked": True, "receiver_hooked": True}
+    assert "NixlKVSender.failure_exception" in p.stderr
+    by = {(c["class"], c["room"]): c for c in cases}
+    for cls, original in (("NixlKVSender", sender_text), ("NixlKVReceiver", receiver_text)):
+        named, waiting = by[(cls, known)], by[(cls, pending)]
+        for c in (named, waiting):
+            assert c["type"] == "KVTransferError" and c["is_from_another_rank"] is True
+            assert c["module"] == "sglang.srt.disaggregation.common.conn"
+        assert named["str"] == f"KVTransferError(bootstrap_room={known}): failed at {group} rank 1: nixl_error (room_record): NIXL transfer encountered ERR room={known}"
+        assert waiting["str"] == f"KVTransferError(bootstrap_room={pending}): {original} (rootrank: pending, see rootrank why {pending} --group {group})"
