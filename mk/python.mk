@@ -16,7 +16,7 @@ test-python: deps
 
 bench-python: deps
 	$(CARGO) build --release --bin rootrank
-	@ROOTRANK_BIN=$(CURDIR)/target/release/rootrank scripts/test-python.sh --no-header -p no:randomly -s -k bench tests/python/bench_python.py
+	@ROOTRANK_BIN=$(CURDIR)/target/release/rootrank scripts/test-python.sh --bench
 
 # `make test` runs the Python tests too.
 test: test-python

@@ -1,0 +1,197 @@
+"""What rootrank costs an SGLang scheduler (issue 8's benchmarks). `make bench-python` runs
+it in the cached SGLang venv with a real etcd and a real coordinator (release build) and
+prints a table; figures are compared with their reference in the same run (the machine is
+shared: ratios, not absolutes).
+
+1. `Agent.record_failure` from Python, per call, next to a plain dict assignment.
+2. The poll hook per scheduler iteration with 64 rooms in flight and nothing failing: SGLang's
+   real `_poll_with_failure_injection` with and without the hook.
+3. The fallback's added latency with 1 and with 500 rooms failing in one iteration, through
+   SGLang's real `CommonKVSender.failure_exception`, with the culprit known (records in
+   etcd) and unknown (the coordinator says pending): the budget is shared by the iteration.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from conftest import Coordinator, Etcd  # noqa: E402
+
+
+def per_call_ns(fn, n: int) -> list:
+    """Each call timed alone (perf_counter_ns), minus the timer's own cost."""
+    t = time.perf_counter_ns
+    empty = []
+    for _ in range(2000):
+        a = t()
+        empty.append(t() - a)
+    timer = statistics.median(empty)
+    out = []
+    gc.disable()
+    try:
+        for i in range(n):
+            a = t()
+            fn(i)
+            out.append(t() - a - timer)
+    finally:
+        gc.enable()
+    return out
+
+
+def summary(xs: list) -> str:
+    xs = sorted(xs)
+    return f"mean {statistics.fmean(xs):.0f} ns, p50 {xs[len(xs) // 2]:.0f} ns, p99 {xs[int(len(xs) * 0.99)]:.0f} ns"
+
+
+def bench_record_failure(etcd: Etcd, results: dict) -> None:
+    import rootrank
+
+    n = 20_000
+    d = {}
+    with rootrank.Agent("bench-py", 0, 1, etcd_endpoints=etcd.url, queue_capacity=100_000) as a:
+        a.wait_registered(10)
+        for _ in range(2):  # warm-up of both
+            dict_ns = per_call_ns(lambda i: d.__setitem__(i, "KV transfer failed"), n)
+            rec_ns = per_call_ns(lambda i: a.record_failure(i, "nixl_error", "KV transfer failed"), n)
+        a.flush(120)
+    results["record_failure"] = {"calls": n, "record_failure": summary(rec_ns), "dict_assignment": summary(dict_ns),
+                                 "ratio_mean": round(statistics.fmean(rec_ns) / max(1.0, statistics.fmean(dict_ns)), 1)}
+
+
+class _Poller:
+    """Stands for a KV sender whose room is still transferring (KVPoll.Transferring)."""
+
+    def poll(self):
+        return 3
+
+
+def bench_poll_hook(results: dict) -> None:
+    import sglang.srt.disaggregation.utils as u
+
+    hooked = u._poll_with_failure_injection
+    original = hooked.__wrapped__
+    pollers = [_Poller() for _ in range(64)]
+    iters = 50_000
+    rows = {}
+    for name, fn in (("without hook", original), ("with hook", hooked)) * 2:
+        gc.disable()
+        t0 = time.perf_counter_ns()
+        for _ in range(iters):
+            fn(pollers)
+        rows[name] = (time.perf_counter_ns() - t0) / iters
+        gc.enable()
+    added = rows["with hook"] - rows["without hook"]
+    results["poll_hook"] = {"rooms": 64, "iteration_without_ns": round(rows["without hook"]),
+                            "iteration_with_ns": round(rows["with hook"]), "added_per_iteration_ns": round(added),
+                            "added_per_room_ns": round(added / 64, 1)}
+
+
+def bench_fallback(etcd: Etcd, coordinator: Coordinator, results: dict) -> None:
+    import rootrank
+    import rootrank.sglang as plugin
+    from sglang.srt.disaggregation.common.conn import CommonKVSender, KVTransferError
+    from sglang.srt.disaggregation.nixl.conn import NixlKVManager
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    kv_mgr = NixlKVManager.__new__(NixlKVManager)
+    kv_mgr.failure_records = {}
+    kv_mgr.failure_lock = threading.Lock()
+    kv_mgr.disaggregation_mode = DisaggregationMode.PREFILL
+    kv_mgr.bootstrap_host, kv_mgr.bootstrap_port, kv_mgr.dist_init_addr = "10.1.0.1", 8998, None
+    kv_mgr.attn_tp_rank, kv_mgr.attn_tp_size, kv_mgr.attn_dp_rank = 0, 8, 0
+    plugin._plugin.on_kv_manager(kv_mgr)
+    group = kv_mgr._rootrank_rank.group
+    kv_mgr._rootrank_rank.agent.wait_registered(10)
+
+    class _Trace:
+        def trace_req_finish(self):
+            pass
+
+    def sender(room):
+        s = CommonKVSender.__new__(CommonKVSender)
+        s.kv_mgr, s.bootstrap_room, s.conclude_state, s.trace_ctx = kv_mgr, room, None, _Trace()
+        s.clear = lambda: None
+        return s
+
+    hooked = CommonKVSender.failure_exception
+    original = hooked.__wrapped__
+
+    def iteration(rooms, fn) -> float:
+        senders = [sender(r) for r in rooms]
+        plugin._plugin.epoch += 1  # what the poll hook does at the start of an iteration
+        t0 = time.perf_counter()
+        for s in senders:
+            try:
+                fn(s)
+            except KVTransferError:
+                pass
+        return (time.perf_counter() - t0) * 1000
+
+    culprit = rootrank.Agent(group, 3, 8, etcd_endpoints=etcd.url)
+    culprit.wait_registered(10)
+    base = 10_000
+    out = {"budget_ms": round(plugin._plugin.budget_s * 1000)}
+    for n in (1, 500):
+        known = list(range(base, base + n))
+        base += n
+        for r in known:
+            culprit.record_failure(r, "nixl_error", f"NIXL transfer encountered ERR room={r}")
+        culprit.flush(30)
+        # "Known" means known at the coordinator: wait out the commit-to-visible lag.
+        client = rootrank.Coordinator(coordinator.url)
+        for r in (known[0], known[-1]):
+            client.verdict(r, group=group, wait_ms=10_000)
+        unknown = list(range(base, base + n))
+        base += n
+        sglang_alone = iteration(list(range(base, base + n)), original)
+        base += n
+        before = dict(plugin.stats())
+        t_known = iteration(known, hooked)
+        mid = dict(plugin.stats())
+        t_unknown = iteration(unknown, hooked)
+        after = dict(plugin.stats())
+        out[f"{n}_rooms"] = {
+            "sglang_alone_ms": round(sglang_alone, 2),
+            "culprit_known_ms": round(t_known, 2),
+            "named": mid["fallbacks_rewritten"] - before["fallbacks_rewritten"],
+            "culprit_unknown_ms": round(t_unknown, 2),
+            "pending": after["fallbacks_pending"] - mid["fallbacks_pending"],
+        }
+    culprit.shutdown(5)
+    results["fallback"] = out
+
+
+def main() -> None:
+    tmp = Path(tempfile.mkdtemp(prefix="rootrank-bench-py-"))
+    etcd = Etcd(tmp)
+    coordinator = Coordinator(etcd, tmp)
+    os.environ["ROOTRANK_ETCD_ENDPOINTS"] = etcd.url  # this benchmark process only, before any thread
+    os.environ["ROOTRANK_COORDINATOR"] = coordinator.url
+    try:
+        from sglang.srt.plugins import load_plugins
+
+        load_plugins()
+        results: dict = {}
+        bench_record_failure(etcd, results)
+        bench_poll_hook(results)
+        bench_fallback(etcd, coordinator, results)
+        print(json.dumps(results, indent=2))
+        out = Path("bench-results")
+        out.mkdir(exist_ok=True)
+        (out / "python.json").write_text(json.dumps(results, indent=2))
+    finally:
+        coordinator.kill()
+        etcd.kill()
+
+
+if __name__ == "__main__":
+    main()
