@@ -183,6 +183,15 @@ def main() -> None:
         pass
     with open(args.out, "w") as f:
         json.dump(result, f)
+    if args.scenario == "kill":
+        # Let rootrank log the culprit of a room that was pending when the budget ran out.
+        try:
+            import rootrank.sglang as plugin
+
+            if plugin._plugin is not None:
+                plugin._plugin.wait_followed(30)
+        except ImportError:
+            pass
     if args.scenario not in ("kill", "fatal"):
         dist.barrier(group=gloo_group)
     if server is not None:

@@ -380,6 +380,16 @@ class _Plugin:
                         break
             except Exception:
                 _fault("follow pending room")
+            finally:
+                self.follow.task_done()
+
+    def wait_followed(self, timeout_s: float) -> bool:
+        """Waits up to ``timeout_s`` until every pending room was followed to its end (for
+        a process about to exit that wants those log lines out)."""
+        deadline = time.monotonic() + timeout_s
+        while self.follow.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return not self.follow.unfinished_tasks
 
     # ---- exits
 

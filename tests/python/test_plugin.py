@@ -1,0 +1,112 @@
+"""The plugin's own logic, without SGLang: reason classification of SGLang's real strings,
+group identity, and the promise that an exception inside the plugin never reaches SGLang."""
+
+from __future__ import annotations
+
+import logging
+import types
+
+import pytest
+
+import rootrank.sglang as plugin
+from rootrank.reasons import classify
+
+
+@pytest.mark.parametrize("text,reason,peer", [
+    ("NIXL transfer encountered ERR room=123", "nixl_error", None),
+    ("KVSender failed to create transfer", "nixl_error", None),
+    ("KVSender failed to post transfer", "nixl_error", None),
+    ("NIXL transfer for room 5 left a handle running after 30s", "transfer_timeout", None),
+    ("Aborted by decode-side abort notification.", "aborted", None),
+    ("Aborted by AbortReq.", "aborted", None),
+    ("Request 77 timed out after 300.0s in KVPoll.Bootstrapping", "bootstrap_timeout", None),
+    ("Request 77 timed out after 300.0s in KVPoll.WaitingForInput", "transfer_timeout", None),
+    ("Lost connection with prefill instance (bootstrap_addr: 10.0.0.5:8998)", "peer_disconnect", {"endpoint": "10.0.0.5:8998"}),
+    ("Prefill server with bootstrap_addr: 10.0.0.7:8998 is healthy before, but now it is down. Request (bootstrap_room: 1) has been marked as failed.",
+     "peer_disconnect", {"endpoint": "10.0.0.7:8998"}),
+    ("Failed to get kvcache from prefill instance, it might be dead", "peer_disconnect", None),
+    ("Could not fetch prefill parallel info from bootstrap_addr: 10.0.0.9:8998", "bootstrap_timeout", {"endpoint": "10.0.0.9:8998"}),
+    ("Duplicate decode bootstrap room", "aborted", None),
+    ("UCX error: Endpoint timeout", "ucx_error", None),
+    ("KV transfer failed", "other", None),
+    ("something new", "other", None),
+])
+def test_sglang_reason_strings_are_classified(text, reason, peer):
+    assert classify(text) == (reason, peer)
+
+
+def test_group_identity_from_the_kv_manager(monkeypatch):
+    monkeypatch.delenv("ROOTRANK_INSTANCE", raising=False)
+    mode = types.SimpleNamespace(value="prefill")
+    mgr = types.SimpleNamespace(disaggregation_mode=mode, bootstrap_host="10.0.0.5", bootstrap_port=8998,
+                                dist_init_addr=None, attn_tp_size=4, attn_tp_rank=3, attn_cp_size=2,
+                                attn_cp_rank=1, attn_dp_rank=2, pp_size=1)
+    assert plugin.group_of(mgr) == ("prefill-10.0.0.5:8998-dp2", 7, 8, "prefill")
+    decode = types.SimpleNamespace(disaggregation_mode=types.SimpleNamespace(value="decode"), dist_init_addr="10.0.1.1:5000",
+                                   attn_tp_size=2, attn_tp_rank=1, attn_dp_rank=0, pp_size=2, pp_rank=1)
+    assert plugin.group_of(decode) == ("decode-10.0.1.1:5000-dp0-pp1", 1, 2, "decode")
+    monkeypatch.setenv("ROOTRANK_INSTANCE", "prefill pool/a")
+    assert plugin.group_of(mgr)[0] == "prefill-prefill_pool_a-dp2"
+
+
+def test_an_exception_inside_the_plugin_never_reaches_sglang(caplog):
+    class BrokenAgent:
+        def record_failure(self, *a, **k):
+            raise RuntimeError("agent exploded")
+
+    rank = plugin._Rank(BrokenAgent(), "g", 0)
+    records = plugin._FailureRecords()
+    records._rootrank_rank, records._rootrank_mgr = rank, object()
+    before = plugin.stats()["errors"]
+    with caplog.at_level(logging.WARNING, logger="rootrank.sglang"):
+        records[1] = "NIXL transfer encountered ERR room=1"  # SGLang's record_failure
+        assert records.setdefault(2, "KV transfer failed") == "KV transfer failed"  # conclude_failure
+        assert records.setdefault(2, "later") == "KV transfer failed"  # first reason kept, as dict does
+    assert dict(records) == {1: "NIXL transfer encountered ERR room=1", 2: "KV transfer failed"}
+    assert records.pop(1) == "NIXL transfer encountered ERR room=1"  # failure_exception's pop
+    assert plugin.stats()["errors"] == before + 2
+    assert sum("internal error in failure_records write" in r.message for r in caplog.records) <= 1
+
+
+def test_culprit_text():
+    v = {"status": "resolved", "culprit": {"group": "prefill-0", "rank": 3, "reason": "oom_host",
+                                           "source": "down_certificate", "detail": "killed by the OOM killer"}}
+    assert plugin.culprit_text(v) == "failed at prefill-0 rank 3: oom_host (down_certificate): killed by the OOM killer"
+    assert plugin.culprit_text({"status": "pending", "culprit": None}) is None
+    assert plugin.culprit_text(None) is None
+
+
+def test_register_without_endpoints_is_inactive(monkeypatch):
+    monkeypatch.delenv("ROOTRANK_ETCD_ENDPOINTS", raising=False)
+    monkeypatch.setattr(plugin, "_plugin", None)
+    plugin.register()
+    assert plugin._plugin is None
+
+
+GOOD = """
+import rootrank
+a: rootrank.Agent = rootrank.Agent("prefill-0", 1, 8, etcd_endpoints="http://etcd:2379", role="prefill")
+ok: bool = a.record_failure(42, "nixl_error", "detail", origin="local", peer={"group": "decode-0", "rank": 1})
+inc: "str | None" = a.incarnation
+import typing
+v: typing.Dict[str, typing.Any] = rootrank.Coordinator("http://a:9750,http://b:9750").verdict(42, group="prefill-0", wait_ms=100)
+"""
+BAD = """
+import rootrank
+a = rootrank.Agent("prefill-0", 1, 8)
+a.record_failure("42", 3)
+"""
+
+
+def test_type_stubs_are_seen_by_mypy(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "good.py").write_text(GOOD)
+    (tmp_path / "bad.py").write_text(BAD)
+    run = lambda f: subprocess.run([sys.executable, "-m", "mypy", "--strict", "--no-incremental", str(tmp_path / f)],
+                                   capture_output=True, text=True, cwd=tmp_path)
+    good = run("good.py")
+    assert good.returncode == 0, good.stdout
+    bad = run("bad.py")
+    assert bad.returncode == 1 and 'incompatible type "str"; expected "int"' in bad.stdout, bad.stdout
