@@ -28,6 +28,7 @@ from rootrank.reasons import classify
     ("Could not fetch prefill parallel info from bootstrap_addr: 10.0.0.9:8998", "bootstrap_timeout", {"endpoint": "10.0.0.9:8998"}),
     ("Duplicate decode bootstrap room", "aborted", None),
     ("UCX error: Endpoint timeout", "ucx_error", None),
+    ("KVSender failed to post prepped transfer: NIXL_ERR_REMOTE_DISCONNECT", "peer_disconnect", None),
     ("KV transfer failed", "other", None),
     ("something new", "other", None),
 ])

@@ -195,3 +195,38 @@ def test_older_sglang_fallbacks(tmp, etcd, coordinator, version, sender_text, re
             assert c["module"] == "sglang.srt.disaggregation.common.conn"
         assert named["str"] == f"KVTransferError(bootstrap_room={known}): failed at {group} rank 1: nixl_error (room_record): NIXL transfer encountered ERR room={known}"
         assert waiting["str"] == f"KVTransferError(bootstrap_room={pending}): {original} (rootrank: pending, see rootrank why {pending} --group {group})"
+
+
+def test_7_decode_killed_mid_transfer_prefill_error_first_hand(tmp, etcd, coordinator, plugin_env):
+    """A real KV transfer through SGLang's own NIXL managers: the decode rank asks for the KV
+    and is SIGKILLed before the prefill's WRITE; the prefill's real NIXL error is recorded
+    first-hand, naming the decode rank's NIXL agent as its peer."""
+    model = tmp / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(LLAMA))
+    boot, room = free_port(), 777
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("ROOTRANK_")}, "HF_HUB_OFFLINE": "1",
+           "SGLANG_CACHE_DIR": str(tmp / "sgc"), "UCX_TLS": "tcp,self,sm", "ROOTRANK_LEASE_TTL_MS": "1000", **plugin_env}
+    common = ["--bootstrap-port", str(boot), "--room", str(room), "--dir", str(tmp), "--model-dir", str(model)]
+    script = str(HERE / "sglang_transfer.py")
+    prefill = subprocess.Popen([sys.executable, script, "prefill", "--wait-for-death", *common], env=env,
+                               stdout=open(tmp / "prefill.log", "w"), stderr=subprocess.STDOUT)
+    decode = subprocess.Popen([sys.executable, script, "decode", "--die", "--port", str(free_port()), *common], env=env,
+                              stdout=open(tmp / "decode.log", "w"), stderr=subprocess.STDOUT)
+    assert decode.wait(240) == -signal.SIGKILL, (tmp / "decode.log").read_text()
+    (tmp / "decode-dead").touch()
+    assert prefill.wait(240) == 0, (tmp / "prefill.log").read_text()
+    out = json.loads((tmp / "prefill.json").read_text())
+    dying = json.loads((tmp / "decode-dying").read_text())
+    # What SGLang itself raises on the prefill rank: its own, first-hand error.
+    assert out["raised"]["is_from_another_rank"] is False
+    assert "NIXL_ERR_REMOTE_DISCONNECT" in out["raised"]["str"], out
+    # rootrank: the prefill rank's record, classified, with the decode rank's NIXL agent as peer.
+    (key, rec), = etcd.get_prefix(f"/rootrank/v1/groups/{out['group']}/rooms/{room}/ranks/")
+    assert rec["origin"] == "local" and rec["reason"] == "peer_disconnect", rec
+    assert rec["peer"]["agent"] == dying["nixl_agent"] and rec["peer"]["endpoint"].rsplit(":", 1)[1].isdigit(), rec
+    v = coordinator.verdict(room, out["group"])
+    assert v["status"] == "resolved" and v["culprit"]["reason"] == "peer_disconnect"
+    assert dying["nixl_agent"] in v["culprit"]["detail"]
+    # The decode rank registered with its NIXL agent and is now down.
+    wait_until(lambda: coordinator.rank_state(dying["group"], 0) == "down", 10, "decode rank down")

@@ -30,6 +30,7 @@ _RULES = (
     ("duplicate", "aborted"),
     ("cancelled bootstrap room", "aborted"),
     ("nixlremotedisconnect", "peer_disconnect"),
+    ("nixl_err_remote_disconnect", "peer_disconnect"),
     ("remote disconnect", "peer_disconnect"),
     ("ucx", "ucx_error"),
     ("nixl", "nixl_error"),

@@ -146,9 +146,14 @@ class _Rank:
         peer = _peer_from_manager(kv_mgr, room, peer)
         if self.agent.record_failure(int(room), reason, str(text), origin="local", peer=peer):
             _stats["local_published"] += 1
+        # SGLang's transfer threads record failures too: these steps may interleave, and the
+        # worst outcome of a race is one more (create-if-absent, so harmless) publish.
         self.published[room] = None
         if len(self.published) > PUBLISHED_MEMORY:
-            self.published.pop(next(iter(self.published)))
+            try:
+                self.published.pop(next(iter(self.published)), None)
+            except (RuntimeError, StopIteration):
+                pass
 
 
 def _peer_from_manager(kv_mgr: Any, room: Any, peer: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
@@ -445,11 +450,20 @@ def _set_reason(exc: BaseException, text: str) -> None:
 
 def _after_kv_manager_init(result: Any, kv_mgr: Any, *args: Any, **kwargs: Any) -> None:
     try:
-        if _plugin is not None and not isinstance(getattr(kv_mgr, "failure_records", None), _FailureRecords):
-            _plugin.on_kv_manager(kv_mgr)
+        if _plugin is None or isinstance(getattr(kv_mgr, "failure_records", None), _FailureRecords):
+            return None
+        # NixlKVManager creates its NIXL agent after CommonKVManager.__init__ returns; its own
+        # __init__ hook registers then, so RankLive names the rank's NIXL agent.
+        if getattr(kv_mgr, "agent", None) is None and _is_nixl(kv_mgr):
+            return None
+        _plugin.on_kv_manager(kv_mgr)
     except Exception:
         _fault("KV manager registration")
     return None
+
+
+def _is_nixl(kv_mgr: Any) -> bool:
+    return any(c.__name__ == "NixlKVManager" and c.__module__.endswith("disaggregation.nixl.conn") for c in type(kv_mgr).__mro__)
 
 
 def _after_poll(polls: Any, pollers: Any = None, *args: Any, **kwargs: Any) -> None:
@@ -564,6 +578,12 @@ def _install(plugin: "_Plugin") -> None:
         hooked.append(target.rsplit(".", 2)[-2] + "." + target.rsplit(".", 1)[-1])
 
     hook("sglang.srt.disaggregation.common.conn.CommonKVManager.__init__", _after_kv_manager_init, HookType.AFTER)
+    try:
+        import sglang.srt.disaggregation.nixl.conn  # noqa: F401  (NIXL may be absent: then no NIXL hook)
+
+        hook("sglang.srt.disaggregation.nixl.conn.NixlKVManager.__init__", _after_kv_manager_init, HookType.AFTER)
+    except Exception:
+        pass
     import sglang.srt.disaggregation.utils as dutils
 
     for fn in ("_poll_with_failure_injection", "_poll_with_failure_injection_pp"):
