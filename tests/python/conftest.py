@@ -45,7 +45,8 @@ def wait_until(pred, timeout_s: float = 20.0, what: str = "condition"):
 class Etcd:
     """One etcd member with a short election timeout (leases down to 1 s)."""
 
-    def __init__(self, tmp: Path):
+    def __init__(self, tmp: Path, *extra: str):
+        self.extra = list(extra)
         self.dir = tmp / f"etcd-{free_port()}"
         self.client_port, self.peer_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.client_port}"
@@ -58,7 +59,7 @@ class Etcd:
             ["etcd", "--name", "n0", "--data-dir", str(self.dir), "--listen-client-urls", self.url,
              "--advertise-client-urls", self.url, "--listen-peer-urls", peer,
              "--initial-advertise-peer-urls", peer, "--initial-cluster", f"n0={peer}",
-             "--heartbeat-interval", "10", "--election-timeout", "100", "--log-level", "warn"],
+             "--heartbeat-interval", "10", "--election-timeout", "100", "--log-level", "warn", *self.extra],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
         wait_until(lambda: self.get_prefix("/health-probe") == [], 20, "etcd to answer")

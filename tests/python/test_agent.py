@@ -187,3 +187,20 @@ def test_imports_without_torch_or_sglang():
 
     code = "import sys, rootrank, rootrank.sglang; assert 'torch' not in sys.modules and 'sglang' not in sys.modules"
     assert subprocess.run([sys.executable, "-c", code], env={k: v for k, v in os.environ.items() if k != "ROOTRANK_ETCD_ENDPOINTS"}).returncode == 0
+
+
+def test_a_record_etcd_rejects_is_dropped_and_the_queue_moves_on(tmp):
+    from conftest import Etcd
+
+    small = Etcd(tmp, "--max-request-bytes", "3000")  # a 4 KiB detail is over etcd's limit
+    try:
+        with rootrank.Agent("py-reject", 0, 1, etcd_endpoints=small.url, lease_ttl_ms=1000) as a:
+            assert a.wait_registered(10)
+            assert a.record_failure(1, "nixl_error", "x" * 4000)
+            assert a.record_failure(2, "nixl_error", "fits")
+            assert a.flush(20), "a rejected record blocked the queue"
+            assert a.rejected == 1
+            rooms = [int(v["room"]) for _, v in small.get_prefix("/rootrank/v1/groups/py-reject/rooms/")]
+            assert rooms == [2]
+    finally:
+        small.kill()

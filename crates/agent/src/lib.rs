@@ -154,7 +154,10 @@ pub(crate) enum Command {
 #[derive(Debug, Default)]
 pub struct AgentStats {
     pub published: AtomicU64,
+    /// Dropped because the queue was full.
     pub dropped: AtomicU64,
+    /// Dropped because etcd refused them for good (or they could not be encoded).
+    pub rejected: AtomicU64,
     pub retries: AtomicU64,
     pub registrations: AtomicU64,
 }

@@ -72,7 +72,7 @@ fn lease_ttl_secs(config: &AgentConfig) -> i64 {
     config.lease_ttl.as_secs_f64().ceil().max(1.0) as i64
 }
 
-fn live_record(config: &AgentConfig, started_at: &str) -> Vec<u8> {
+fn live_record(config: &AgentConfig, started_at: &str) -> Result<Vec<u8>, serde_json::Error> {
     let rec = RankLive {
         v: SCHEMA_VERSION,
         group: config.group.clone(),
@@ -88,7 +88,7 @@ fn live_record(config: &AgentConfig, started_at: &str) -> Vec<u8> {
         nixl_agent: config.nixl_agent.clone(),
         gpu: config.gpu.clone(),
     };
-    serde_json::to_vec(&rec).unwrap_or_default()
+    serde_json::to_vec(&rec)
 }
 
 /// Registers the live key and keeps its lease alive every TTL/3. A lost lease (etcd said it
@@ -106,6 +106,14 @@ async fn liveness(
     let interval = Duration::from_millis((ttl as u64 * 1000 / 3).max(50));
     let started_at = time::format_ms(rootrank_store::unix_ms());
     let live_key = keys.live(&config.group, config.rank);
+    let live_value = match live_record(&config, &started_at) {
+        Ok(v) => v,
+        Err(e) => {
+            // Strings and integers always encode; if that ever broke, say so and stay out of etcd.
+            warn!(error = %e, "could not encode this rank's live record; the rank will not register");
+            return;
+        }
+    };
     let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
     'register: loop {
         if *stop.borrow() {
@@ -122,7 +130,7 @@ async fn liveness(
         };
         let opts = PutOptions::new().with_lease(lease);
         match client
-            .put(live_key.clone(), live_record(&config, &started_at), Some(opts.clone()))
+            .put(live_key.clone(), live_value.clone(), Some(opts.clone()))
             .await
         {
             Ok(r) => registered_revision.store(r.header().map_or(0, |h| h.revision()), Ordering::SeqCst),
@@ -242,7 +250,14 @@ async fn publisher(
                     peer: f.peer,
                 };
                 let key = keys.room(&config.group, f.room, config.rank);
-                let value = serde_json::to_vec(&rec).unwrap_or_default();
+                let value = match serde_json::to_vec(&rec) {
+                    Ok(v) => v,
+                    Err(e) => {
+                        shared.stats.rejected.fetch_add(1, Ordering::Relaxed);
+                        span.in_scope(|| warn!(error = %e, "room failure could not be encoded; dropped"));
+                        continue;
+                    }
+                };
                 let written = writer
                     .write(
                         Retained::Record {
@@ -253,7 +268,11 @@ async fn publisher(
                     )
                     .instrument(span.clone())
                     .await;
-                shared.stats.published.fetch_add(1, Ordering::Relaxed);
+                if written == Written::Rejected {
+                    shared.stats.rejected.fetch_add(1, Ordering::Relaxed);
+                } else {
+                    shared.stats.published.fetch_add(1, Ordering::Relaxed);
+                }
                 shared.stats.retries.store(writer.retries(), Ordering::Relaxed);
                 span.in_scope(|| debug!(?written, "room failure published"));
             }

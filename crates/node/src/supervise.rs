@@ -256,15 +256,18 @@ async fn supervise_inner(config: SuperviseConfig) -> Result<SupervisedExit, Node
         registered_revision: Some(known.registered_revision).filter(|r| *r > 0),
     };
     let mut writer = CertWriter::new(config.endpoints.clone(), &config.prefix, config.retention);
-    let written = writer.write(&down, Some(Instant::now() + config.report_timeout)).await;
+    let written = writer
+        .write(&down, Instant::now().checked_add(config.report_timeout))
+        .await;
     match written {
         Written::Yes => info!(incarnation = %known.incarnation, reason = %down.reason, "down certificate written"),
         Written::AlreadyThere => {
             info!(incarnation = %known.incarnation, "the rank's incarnation already had a certificate; kept it")
         }
         Written::GaveUp => warn!(incarnation = %known.incarnation, "etcd unreachable: down certificate not written"),
+        Written::Rejected => warn!(incarnation = %known.incarnation, "etcd rejected the down certificate"),
     }
-    let reported = written != Written::GaveUp;
+    let reported = matches!(written, Written::Yes | Written::AlreadyThere);
     // Revoking our lease now (rather than letting it expire) removes the live key at once;
     // the agent's own `shutdown` certificate is refused since ours is already there. Without
     // a certificate we must not claim a clean shutdown: then the lease runs out instead.

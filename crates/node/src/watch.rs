@@ -393,6 +393,7 @@ async fn write_reports(
             ),
             Written::AlreadyThere => info!("incarnation already had a certificate; kept it"),
             Written::GaveUp => warn!("down certificate not written"),
+            Written::Rejected => warn!("etcd rejected the down certificate"),
         });
         let _ = written.send((down.group.clone(), down.rank, down.incarnation));
     }

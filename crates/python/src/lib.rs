@@ -383,6 +383,14 @@ impl PyAgent {
             .map_or(0, |a| a.stats().dropped.load(std::sync::atomic::Ordering::Relaxed))
     }
 
+    /// Records etcd refused for good (e.g. larger than its request limit), dropped so that
+    /// the records behind them still go out.
+    #[getter]
+    fn rejected(&self) -> u64 {
+        self.current()
+            .map_or(0, |a| a.stats().rejected.load(std::sync::atomic::Ordering::Relaxed))
+    }
+
     /// Records and certificates written to etcd so far.
     #[getter]
     fn published(&self) -> u64 {

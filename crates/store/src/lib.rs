@@ -16,7 +16,7 @@
 pub mod embedded;
 mod retained;
 
-pub use retained::{LazyClient, Retained, RetainedWriter, Written};
+pub use retained::{LazyClient, Retained, RetainedWriter, WriteError, Written};
 
 use std::time::{Duration, Instant};
 
@@ -91,8 +91,12 @@ pub async fn put_certificate(
     down: &rootrank_core::RankDown,
     lease: Option<i64>,
 ) -> Result<bool, etcd_client::Error> {
-    let encode = |d: &rootrank_core::RankDown| serde_json::to_vec(d).unwrap_or_default();
-    if create_if_absent(client, key, encode(down), lease).await? {
+    // A RankDown of strings and integers always serializes; were it ever not to, the write is
+    // refused as invalid (never an empty value in etcd).
+    let encode = |d: &rootrank_core::RankDown| {
+        serde_json::to_vec(d).map_err(|e| etcd_client::Error::InvalidArgs(format!("down certificate: {e}")))
+    };
+    if create_if_absent(client, key, encode(down)?, lease).await? {
         return Ok(true);
     }
     if down.source == rootrank_core::DownSource::Coordinator {
@@ -114,7 +118,7 @@ pub async fn put_certificate(
     let opts = lease.map(|l| PutOptions::new().with_lease(l));
     let txn = Txn::new()
         .when([Compare::mod_revision(key, CompareOp::Equal, kv.mod_revision())])
-        .and_then([TxnOp::put(key, encode(&refined), opts)]);
+        .and_then([TxnOp::put(key, encode(&refined)?, opts)]);
     Ok(client.txn(txn).await?.succeeded())
 }
 
@@ -266,8 +270,13 @@ pub struct Backoff {
 
 impl Backoff {
     pub fn new(base: Duration, cap: Duration) -> Self {
-        let seed =
-            u64::from(std::process::id()) ^ (Instant::now().elapsed().subsec_nanos() as u64) ^ 0x9e37_79b9_7f4a_7c15;
+        Self::with_seed(base, cap, os_random_seed())
+    }
+
+    /// A fixed seed, for tests that need the same pauses twice.
+    pub fn with_seed(base: Duration, cap: Duration, seed: u64) -> Self {
+        // xorshift never leaves 0.
+        let seed = if seed == 0 { 0x9e37_79b9_7f4a_7c15 } else { seed };
         Backoff {
             base,
             cap,
@@ -289,6 +298,17 @@ impl Backoff {
         let j = if jitter > 0 { self.seed % jitter } else { 0 };
         pause + Duration::from_millis(j)
     }
+}
+
+/// 64 random bits from the OS (the keys std's `RandomState` draws from it), mixed with the pid
+/// and the wall clock: ranks in containers with equal pids, started together, still retry
+/// out of step.
+fn os_random_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u32(std::process::id());
+    h.write_i64(unix_ms());
+    h.finish()
 }
 
 /// Milliseconds since the Unix epoch, for `at` fields and observation stamps. The shells read
@@ -315,5 +335,17 @@ mod tests {
         let pauses: Vec<_> = (0..8).map(|_| b.next_pause()).collect();
         assert!(pauses[0] >= Duration::from_millis(10) && pauses[0] < Duration::from_millis(13));
         assert!(pauses[7] >= Duration::from_millis(100) && pauses[7] <= Duration::from_millis(125));
+    }
+
+    /// Two writers started at the same instant in processes with the same pid (containers)
+    /// must not retry in lockstep: the jitter comes from the OS, not from the pid and clock.
+    #[test]
+    fn backoffs_created_together_jitter_apart() {
+        let wide = |b: &mut Backoff| (0..4).map(|_| b.next_pause()).collect::<Vec<_>>();
+        let base = Duration::from_secs(1000); // jitter range 250 s: a tie is a 1-in-250,000 event
+        let (mut a, mut b) = (Backoff::new(base, base), Backoff::new(base, base));
+        assert_ne!(wide(&mut a), wide(&mut b));
+        let (mut c, mut d) = (Backoff::with_seed(base, base, 7), Backoff::with_seed(base, base, 7));
+        assert_eq!(wide(&mut c), wide(&mut d));
     }
 }

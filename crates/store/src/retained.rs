@@ -77,6 +77,46 @@ pub enum Written {
     AlreadyThere,
     /// The deadline passed with etcd unreachable.
     GaveUp,
+    /// etcd refused this value for good (too large, malformed request): retrying cannot
+    /// help, so the writer moves on and the caller drops and counts it.
+    Rejected,
+}
+
+/// Why one attempt failed: worth retrying, or never going to succeed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum WriteError {
+    /// etcd unreachable, leaderless, restarting, timing out, or a lease that vanished.
+    #[error("etcd did not take the write yet: {0}")]
+    Transient(String),
+    /// etcd answered that this request is invalid (e.g. larger than its request limit).
+    #[error("etcd rejected the write for good: {0}")]
+    Permanent(String),
+}
+
+impl WriteError {
+    /// gRPC `InvalidArgument`, `OutOfRange`, `Unimplemented`, and a message over the gRPC size
+    /// limit are answers about the request itself; everything else may pass on a retry
+    /// (including `ResourceExhausted` for a full etcd, which an operator can mend).
+    pub fn classify(e: &etcd_client::Error) -> WriteError {
+        use etcd_client::Error as E;
+        let message = e.to_string();
+        let permanent = match e {
+            E::GRpcStatus(status) => {
+                use tonic::Code;
+                matches!(
+                    status.code(),
+                    Code::InvalidArgument | Code::OutOfRange | Code::Unimplemented
+                ) || (status.code() == Code::ResourceExhausted && status.message().contains("message larger than max"))
+            }
+            E::InvalidArgs(_) | E::InvalidUri(_) | E::InvalidMetadataValue(_) | E::Utf8Error(_) => true,
+            _ => false,
+        };
+        if permanent {
+            WriteError::Permanent(message)
+        } else {
+            WriteError::Transient(message)
+        }
+    }
 }
 
 /// Writes retained values, retrying each until etcd takes it. See the module docs.
@@ -85,6 +125,7 @@ pub struct RetainedWriter {
     retention: RetentionLeases,
     backoff: Backoff,
     retries: u64,
+    rejected: u64,
 }
 
 impl RetainedWriter {
@@ -94,12 +135,18 @@ impl RetainedWriter {
             retention: RetentionLeases::new(retention),
             backoff: Backoff::new(Duration::from_millis(20), Duration::from_secs(1)),
             retries: 0,
+            rejected: 0,
         }
     }
 
     /// Failed attempts so far (each was retried).
     pub fn retries(&self) -> u64 {
         self.retries
+    }
+
+    /// Values etcd rejected for good (dropped).
+    pub fn rejected(&self) -> u64 {
+        self.rejected
     }
 
     /// Grants the first retention lease ahead of time, so the first write costs one etcd
@@ -112,9 +159,17 @@ impl RetainedWriter {
         }
     }
 
-    async fn attempt(&mut self, what: Retained<'_>) -> Result<bool, String> {
-        let c = self.etcd.client().await.map_err(|e| e.to_string())?;
-        let lease = self.retention.lease(c).await.map_err(|e| e.to_string())?;
+    async fn attempt(&mut self, what: Retained<'_>) -> Result<bool, WriteError> {
+        let c = self
+            .etcd
+            .client()
+            .await
+            .map_err(|e| WriteError::Transient(e.to_string()))?;
+        let lease = self
+            .retention
+            .lease(c)
+            .await
+            .map_err(|e| WriteError::Transient(e.to_string()))?;
         let res = match what {
             Retained::Record { key, value } => crate::create_if_absent(c, key, value.to_vec(), Some(lease)).await,
             Retained::Certificate { key, down } => crate::put_certificate(c, key, down, Some(lease)).await,
@@ -124,11 +179,13 @@ impl RetainedWriter {
                 // etcd lost or expired the lease (e.g. it was down longer than the lease's TTL).
                 self.retention.invalidate();
             }
-            e.to_string()
+            WriteError::classify(&e)
         })
     }
 
-    /// Writes `what`, retrying until etcd takes it or `deadline` passes (`None`: forever).
+    /// Writes `what`, retrying transient failures until etcd takes it or `deadline` passes
+    /// (`None`: forever). A permanent rejection returns [`Written::Rejected`] at once, so one
+    /// bad value never blocks the values queued behind it.
     pub async fn write(&mut self, what: Retained<'_>, deadline: Option<Instant>) -> Written {
         let mut attempts = 0u32;
         loop {
@@ -136,6 +193,16 @@ impl RetainedWriter {
                 Ok(written) => {
                     self.backoff.reset();
                     return if written { Written::Yes } else { Written::AlreadyThere };
+                }
+                Err(e @ WriteError::Permanent(_)) => {
+                    // Logged once per writer: the first says what is wrong, the count says how often.
+                    if self.rejected == 0 {
+                        warn!(error = %e, key = what.key(), "{} rejected by etcd and dropped (later rejections are only counted)", what.kind());
+                    } else {
+                        debug!(error = %e, key = what.key(), "{} rejected by etcd and dropped", what.kind());
+                    }
+                    self.rejected += 1;
+                    return Written::Rejected;
                 }
                 Err(e) => {
                     attempts += 1;
@@ -148,7 +215,7 @@ impl RetainedWriter {
                 }
             }
             let pause = self.backoff.next_pause();
-            if deadline.is_some_and(|d| Instant::now() + pause > d) {
+            if deadline.is_some_and(|d| Instant::now().checked_add(pause).is_none_or(|t| t > d)) {
                 return Written::GaveUp;
             }
             tokio::time::sleep(pause).await;
