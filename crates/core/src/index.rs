@@ -246,6 +246,12 @@ pub struct Index {
     /// Recently resolved rooms, newest first: (room, revision). The root cause itself is
     /// derived when asked, so resolving a million rooms on a reload builds no strings.
     pub(crate) root_causes: VecDeque<(RoomId, i64)>,
+    /// `local` room records per rank, for `repeat`: like everything a verdict uses, a
+    /// function of the records in etcd (they leave with their retention lease).
+    pub(crate) local_counts: BTreeMap<(GroupId, Rank), u32>,
+    /// NIXL agent name -> the rank that registered it, so a record naming its peer by agent
+    /// name (all a prefill rank knows of its decode peer) leads to that rank (rule 5).
+    pub(crate) agents: BTreeMap<String, (GroupId, Rank)>,
     record_count: usize,
     interned_reasons: HashSet<Reason>,
 }
@@ -260,6 +266,8 @@ impl Index {
             ranks: BTreeMap::new(),
             deaths: BTreeMap::new(),
             rooms: HashMap::new(),
+            local_counts: BTreeMap::new(),
+            agents: BTreeMap::new(),
             unresolved: HashMap::new(),
             root_causes: VecDeque::new(),
             record_count: 0,
@@ -424,6 +432,13 @@ impl Index {
             Some(KeyKind::Room { group, room, rank }) => {
                 let Some(entry) = self.rooms.get_mut(&room) else { return };
                 let before = entry.records.len();
+                if entry
+                    .records
+                    .iter()
+                    .any(|r| r.group == group && r.rank == rank && r.origin == Origin::Local)
+                {
+                    count_local(&mut self.local_counts, &group, rank, -1);
+                }
                 entry.records.retain(|r| !(r.group == group && r.rank == rank));
                 self.record_count -= before - entry.records.len();
                 if !entry.records.iter().any(|r| r.group == group) {
@@ -479,6 +494,9 @@ impl Index {
             None => None,
         };
         let registered_at_ms = rec.started_at.as_deref().and_then(time::parse_ms).unwrap_or(now);
+        if let Some(agent) = &rec.nixl_agent {
+            self.agents.insert(agent.clone(), (group.clone(), rank));
+        }
         let entry = Arc::new(LiveEntry {
             record: rec,
             incarnation: inc,
@@ -489,7 +507,10 @@ impl Index {
         state.history.retain(|h| h.incarnation != inc);
         state.history.push(entry.clone());
         if state.history.len() > HISTORY {
-            state.history.remove(0);
+            let gone = state.history.remove(0);
+            if let Some(agent) = &gone.record.nixl_agent {
+                self.agents.remove(agent);
+            }
         }
         state.live = Some(entry);
         if let Some(old) = replaced {
@@ -558,8 +579,21 @@ impl Index {
                 .note_registration(rec.incarnation, reg);
         }
         let at_ms = rec.at.as_deref().and_then(time::parse_ms).unwrap_or(now);
-        let reason = self.intern_reason(rec.reason.clone());
         let key = (group.clone(), rank, rec.incarnation);
+        // A clean exit claimed after the rank was already seen dead without a certificate (the
+        // claim replaced the coordinator's certificate, whose observed revision it carries) is
+        // no clean exit: the death stays a death, so a verdict resolved on it stays (rule 2).
+        let seen_dead_first = rec.observed_revision.is_some()
+            || self
+                .deaths
+                .get(&key)
+                .is_some_and(|d| d.evidence < DeathEvidence::Certificate);
+        let reason = if rec.reason.is_shutdown() && seen_dead_first {
+            Reason::well_known(reasons::LEASE_EXPIRED)
+        } else {
+            rec.reason.clone()
+        };
+        let reason = self.intern_reason(reason);
         let is_shutdown = reason.is_shutdown();
         match self.deaths.get_mut(&key) {
             Some(d) if d.evidence > evidence => {
@@ -581,8 +615,10 @@ impl Index {
                 d.host = rec.host.or(d.host.take());
                 d.pid = rec.pid.or(d.pid);
                 d.has_certificate = true;
-                // The certificate's time is the death's (a vanished key is seen a TTL late).
-                d.at_ms = at_ms;
+                // The earlier of the two times is the death's: a vanished key is seen a TTL
+                // late, and a death cannot come after its live key vanished. Never later, so a
+                // death inside a room's windows stays inside them (rule 2).
+                d.at_ms = d.at_ms.min(at_ms);
             }
             None => {
                 self.deaths.insert(
@@ -652,8 +688,14 @@ impl Index {
             .iter()
             .position(|r| r.group == group && r.rank == rec.rank)
         {
-            entry.records.remove(pos);
+            let old = entry.records.remove(pos);
             self.record_count -= 1;
+            if old.origin == Origin::Local {
+                count_local(&mut self.local_counts, &group, rec.rank, -1);
+            }
+        }
+        if rec.origin == Origin::Local {
+            count_local(&mut self.local_counts, &group, rec.rank, 1);
         }
         let pos = entry.records.partition_point(|r| r.revision <= revision);
         // A Vec grows to 4 slots on its first push; most rooms hold a handful of records,
@@ -708,10 +750,10 @@ impl Index {
                 set.remove(&room);
             }
         }
+        let (group, rank, reason, source) = resolved;
         if let Some(entry) = self.rooms.get_mut(&room) {
             entry.resolved = true;
         }
-        let (group, rank, reason, source) = resolved;
         out.push(Output::RoomResolved {
             room,
             group,
@@ -735,6 +777,16 @@ impl Index {
             self.interned_reasons.insert(reason.clone());
         }
         reason
+    }
+}
+
+fn count_local(counts: &mut BTreeMap<(GroupId, Rank), u32>, group: &GroupId, rank: Rank, delta: i32) {
+    let key = (group.clone(), rank);
+    let n = counts.get(&key).copied().unwrap_or(0).saturating_add_signed(delta);
+    if n == 0 {
+        counts.remove(&key);
+    } else {
+        counts.insert(key, n);
     }
 }
 

@@ -27,5 +27,7 @@ pub use index::RootCause;
 pub use index::{Event, Index, IndexConfig, Output};
 pub use keys::{KeyKind, Keys};
 pub use records::{DownSource, ExitInfo, Origin, Peer, RankDown, RankLive, RecordError, RoomFailure};
-pub use verdict::{Action, Culprit, Evidence, Status, Verdict, VerdictQuery};
+pub use verdict::{
+    Action, CompactCause, CompactCulprit, CompactVerdict, Culprit, Evidence, PeerRef, Status, Verdict, VerdictQuery,
+};
 pub use views::{GroupSummary, GroupView, RankStateKind, RankView};

@@ -1,12 +1,20 @@
 //! The verdict rules (SPEC section 5) and the Verdict JSON.
 //!
-//! 1. A `local` room record: the one with the lowest revision is the culprit (`abort`).
-//! 2. Else a death of a rank of an involved group, no earlier than the death window before
-//!    the room's first record (or the query) and no later than the pending window after it;
-//!    a rank that re-registered before the first record is alive for the room. The death
-//!    with the lowest revision is the culprit (`abort_and_restart_group`).
+//! The candidates of a room are its `local` records and the deaths of ranks of the involved
+//! groups no earlier than the death window before the room's first record (or the query) and
+//! no later than the pending window after it (a rank that re-registered before the first
+//! record is alive for the room).
+//!
+//! 1. The candidate with the lowest revision is the culprit, record or death: `abort` for a
+//!    record, `abort_and_restart_group` for a death.
+//! 2. Resolved is final: no candidate can later appear with a lower revision (revisions only
+//!    grow, and a death keeps the revision it was first seen at), so a resolved verdict names
+//!    the same (group, rank, incarnation) forever; a later certificate only refines its reason.
 //! 3. Else, while a death could still show up: `pending` (`wait`).
 //! 4. Else `unknown` (`abort`): the cause is outside the group.
+//! 5. `cause` follows the culprit's `peer` (by group and rank, or by NIXL agent name) to that
+//!    rank's own candidate for the room, up to 4 hops, never twice through one rank.
+//! 6. `advice` is chosen by the root reason (the cause's, if any) and `repeat`.
 
 use std::collections::BTreeSet;
 
@@ -14,7 +22,7 @@ use serde::Serialize;
 
 use crate::ids::{GroupId, Incarnation, Rank, Reason, RoomId};
 use crate::index::{Death, DeathEvidence, Index, RoomRecord};
-use crate::records::Origin;
+use crate::records::{Origin, Peer};
 use crate::time;
 
 /// A verdict question, with the times the shell supplies.
@@ -69,6 +77,19 @@ pub struct Culprit {
     pub pid: Option<u32>,
     pub incarnation: Option<Incarnation>,
     pub log_tail: Option<Vec<String>>,
+    /// The transfer peer the culprit's record names (group and rank resolved from the NIXL
+    /// agent name when the writer knew only that).
+    pub peer: Option<PeerRef>,
+    /// How many rooms this rank was the culprit of in the retention window (at least 1).
+    pub repeat: u32,
+}
+
+/// A peer as a verdict shows it.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct PeerRef {
+    pub group: Option<GroupId>,
+    pub rank: Option<Rank>,
+    pub agent: Option<String>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -89,10 +110,64 @@ pub struct Verdict {
     pub status: Status,
     pub action: Action,
     pub culprit: Option<Culprit>,
+    /// The culprit's own root cause, through its peer (rule 5).
+    pub cause: Option<Culprit>,
+    /// What to do, for an operator (rule 6).
+    pub advice: Option<String>,
     pub evidence: Vec<Evidence>,
     pub groups: Vec<GroupId>,
     pub revision: i64,
     pub explain: String,
+}
+
+/// The answer for schedulers in a hot path (`?view=compact`, ~200 bytes).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct CompactVerdict {
+    pub room: RoomId,
+    pub status: Status,
+    pub action: Action,
+    pub culprit: Option<CompactCulprit>,
+    pub cause: Option<CompactCause>,
+    pub revision: i64,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct CompactCulprit {
+    pub group: GroupId,
+    pub rank: Rank,
+    pub reason: Reason,
+    pub source: &'static str,
+    pub incarnation: Option<Incarnation>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct CompactCause {
+    pub group: GroupId,
+    pub rank: Rank,
+    pub reason: Reason,
+}
+
+impl From<&Verdict> for CompactVerdict {
+    fn from(v: &Verdict) -> Self {
+        CompactVerdict {
+            room: v.room,
+            status: v.status,
+            action: v.action,
+            culprit: v.culprit.as_ref().map(|c| CompactCulprit {
+                group: c.group.clone(),
+                rank: c.rank,
+                reason: c.reason.clone(),
+                source: c.source,
+                incarnation: c.incarnation,
+            }),
+            cause: v.cause.as_ref().map(|c| CompactCause {
+                group: c.group.clone(),
+                rank: c.rank,
+                reason: c.reason.clone(),
+            }),
+            revision: v.revision,
+        }
+    }
 }
 
 /// Which rule fired, before it is dressed up as JSON.
@@ -214,12 +289,15 @@ impl Index {
         deaths: &[(&(GroupId, Rank, Incarnation), &Death)],
         now_ms: i64,
     ) -> Decision {
-        // Records are sorted by revision, so the first local one is the earliest root cause.
-        if let Some((idx, _)) = scope.records.iter().find(|(_, r)| r.origin == Origin::Local) {
-            return Decision::Record { idx: *idx };
-        }
-        if let Some((key, _)) = deaths.first() {
-            return Decision::Death { key: (*key).clone() };
+        // Records and deaths are each sorted by revision: the earlier of the two first ones is
+        // the earliest root cause (a tie, which one etcd transaction could make, goes to the
+        // record, which names the room).
+        let record = scope.records.iter().find(|(_, r)| r.origin == Origin::Local);
+        match (record, deaths.first()) {
+            (Some((idx, r)), Some((_, d))) if r.revision <= d.revision => return Decision::Record { idx: *idx },
+            (Some((idx, _)), None) => return Decision::Record { idx: *idx },
+            (_, Some((key, _))) => return Decision::Death { key: (*key).clone() },
+            (None, None) => {}
         }
         let until = scope.t0_ms + scope.pending_window_ms;
         if now_ms < until {
@@ -282,6 +360,7 @@ impl Index {
         }));
         evidence.sort_by_key(|e| e.revision);
         let culprit = decision.culprit(self, q.room);
+        let cause = culprit.as_ref().and_then(|c| self.cause(q.room, &scope, c));
         let (status, action) = match &decision {
             Decision::Record { .. } => (Status::Resolved, Action::Abort),
             Decision::Death { .. } => (Status::Resolved, Action::AbortAndRestartGroup),
@@ -289,16 +368,106 @@ impl Index {
             Decision::Unknown => (Status::Unknown, Action::Abort),
         };
         let explain = explain(&decision, culprit.as_ref(), &scope, q.room);
+        let advice = culprit.as_ref().map(|c| advice(c, cause.as_ref()));
         Verdict {
             room: q.room,
             status,
             action,
             culprit,
+            cause,
+            advice,
             evidence,
             groups: scope.groups.into_iter().collect(),
             revision: self.revision,
             explain,
         }
+    }
+}
+
+/// How many hops `cause` follows (SPEC rule 5).
+const CAUSE_HOPS: usize = 4;
+
+impl Index {
+    /// Rule 5: the culprit's peer's own root cause for this room, followed up to 4 hops.
+    fn cause(&self, room: RoomId, scope: &Scope<'_>, culprit: &Culprit) -> Option<Culprit> {
+        let mut visited = BTreeSet::from([(culprit.group.clone(), culprit.rank)]);
+        let mut peer = culprit.peer.clone();
+        let mut cause = None;
+        for _ in 0..CAUSE_HOPS {
+            let Some(PeerRef {
+                group: Some(group),
+                rank: Some(rank),
+                ..
+            }) = peer
+            else {
+                break;
+            };
+            if !visited.insert((group.clone(), rank)) {
+                break; // a loop: what we have is the cause
+            }
+            let Some(next) = self.candidate_of(room, &group, rank, scope) else {
+                break;
+            };
+            peer = next.peer.clone();
+            cause = Some(next);
+        }
+        cause
+    }
+
+    /// One rank's earliest candidate for a room: its `local` record, or its death within the
+    /// room's windows (the same rules as for the room's own groups).
+    fn candidate_of(&self, room: RoomId, group: &GroupId, rank: Rank, scope: &Scope<'_>) -> Option<Culprit> {
+        let record = self.rooms.get(&room).and_then(|e| {
+            e.records
+                .iter()
+                .enumerate()
+                .find(|(_, r)| &r.group == group && r.rank == rank && r.origin == Origin::Local)
+        });
+        let lo = scope.t0_ms - self.config.death_window_ms;
+        let hi = scope.t0_ms + scope.pending_window_ms;
+        let death = self
+            .deaths_of(group)
+            .filter(|((_, r, _), d)| *r == rank && !d.reason.is_shutdown() && d.at_ms >= lo && d.at_ms <= hi)
+            .filter(|((g, r, inc), _)| !self.reregistered_before(g, *r, *inc, scope.first_revision))
+            .min_by_key(|(_, d)| d.revision);
+        let decision = match (record, death) {
+            (Some((idx, r)), Some((_, d))) if r.revision <= d.revision => Decision::Record { idx },
+            (Some((idx, _)), None) => Decision::Record { idx },
+            (_, Some((key, _))) => Decision::Death { key: key.clone() },
+            (None, None) => return None,
+        };
+        decision.culprit(self, room)
+    }
+
+    /// A record's peer as the verdict shows it: group and rank as written, or resolved from
+    /// the NIXL agent name through the ranks' live records.
+    fn peer_ref(&self, p: &Peer) -> PeerRef {
+        let named = p.group.as_deref().and_then(|g| GroupId::new(g).ok());
+        let (group, rank) = match (named, p.rank) {
+            (Some(g), Some(r)) => (Some(g), Some(r)),
+            (named, rank) => match p.agent.as_ref().and_then(|a| self.agents.get(a)) {
+                Some((g, r)) => (Some(g.clone()), Some(*r)),
+                None => (named, rank),
+            },
+        };
+        PeerRef {
+            group,
+            rank,
+            agent: p.agent.clone(),
+        }
+    }
+
+    /// How often a rank failed in the retention window: the rooms it recorded a `local`
+    /// failure for (a record culprit), or its deaths (a death culprit). At least 1.
+    fn repeat_of(&self, group: &GroupId, rank: Rank, death: bool) -> u32 {
+        let n = if death {
+            self.deaths_of(group)
+                .filter(|((_, r, _), d)| *r == rank && !d.reason.is_shutdown())
+                .count() as u32
+        } else {
+            self.local_counts.get(&(group.clone(), rank)).copied().unwrap_or(0)
+        };
+        n.max(1)
     }
 }
 
@@ -354,6 +523,8 @@ impl Decision {
                     pid,
                     incarnation,
                     log_tail: None,
+                    peer: r.peer.as_deref().map(|p| index.peer_ref(p)),
+                    repeat: index.repeat_of(&r.group, r.rank, false),
                 })
             }
             Decision::Death { key } => {
@@ -377,6 +548,8 @@ impl Decision {
                     pid,
                     incarnation: Some(*inc),
                     log_tail: d.log_tail.clone(),
+                    peer: None,
+                    repeat: index.repeat_of(group, *rank, true),
                 })
             }
             Decision::Pending { .. } | Decision::Unknown => None,
@@ -424,6 +597,62 @@ fn explain(decision: &Decision, culprit: Option<&Culprit>, scope: &Scope<'_>, ro
         _ => format!(
             "No rank of {groups} failed room {room}: the cause is outside the group (decode side, network, router). Abort the request."
         ),
+    }
+}
+
+/// Rule 6: one or two sentences for an operator at 3 a.m., chosen by the root reason (the
+/// cause's when there is one) and by how often the culprit failed.
+fn advice(c: &Culprit, cause: Option<&Culprit>) -> String {
+    let root = cause.unwrap_or(c);
+    let who = |x: &Culprit| {
+        let at = x.host.as_deref().map(|h| format!(" on {h}")).unwrap_or_default();
+        format!("{} rank {}{at}", x.group, x.rank)
+    };
+    let peer = cause.map(who).or_else(|| {
+        c.peer.as_ref().and_then(|p| match (&p.group, p.rank, &p.agent) {
+            (Some(g), Some(r), _) => Some(format!("{g} rank {r}")),
+            (_, _, Some(a)) => Some(format!("the rank with NIXL agent {a}")),
+            _ => None,
+        })
+    });
+    let again = if root.repeat > 1 {
+        format!(" It failed {} times in the retention window.", root.repeat)
+    } else {
+        String::new()
+    };
+    let restart = "restart the group so its ranks re-bootstrap";
+    match root.reason.as_str() {
+        "oom_host" | "oom_gpu" if root.repeat > 1 => format!(
+            "{} ran out of memory again ({} times): lower --mem-fraction-static, --max-total-tokens or --chunked-prefill-size for that instance, then {restart}.",
+            who(root),
+            root.repeat
+        ),
+        "oom_host" | "oom_gpu" => format!(
+            "{} ran out of memory: {restart}; if it recurs, lower --mem-fraction-static, --max-total-tokens or --chunked-prefill-size.",
+            who(root)
+        ),
+        "nccl_timeout" | "ucx_error" | "transfer_timeout" | "nixl_error" | "peer_disconnect" => format!(
+            "Check {} and the network between it and {} (UCX_TLS, NIC and link errors); abort the request.{again}",
+            peer.unwrap_or_else(|| "the transfer peer".into()),
+            who(c)
+        ),
+        "bootstrap_timeout" => format!(
+            "The handshake with {} never completed: check that the other instance is up and its bootstrap port reachable.{again}",
+            peer.unwrap_or_else(|| "the peer instance".into())
+        ),
+        "lease_expired" => format!(
+            "{} stopped renewing its lease (killed, hung or cut off from etcd): check the process, then {restart}. Run `rootrank node-watch` on its host to learn why ranks die.{again}",
+            who(root)
+        ),
+        "python_exception" | "panic" | "process_exit" => format!(
+            "{} died of {}: read the cause's log_tail for the traceback, then {restart}.{again}",
+            who(root),
+            root.reason
+        ),
+        "gpu_xid" => format!("{} hit a GPU fault (Xid): drain that GPU or host, then {restart} elsewhere.{again}", who(root)),
+        "aborted" => "The request was aborted (by the client, the router or the other side): nothing to repair.".into(),
+        _ if root.source != "room_record" => format!("{} died ({}): {restart}.{again}", who(root), root.reason),
+        _ => format!("{} failed the transfer ({}): see the detail; abort the request.{again}", who(root), root.reason),
     }
 }
 

@@ -45,14 +45,195 @@ fn rule1_first_local_record_by_revision_wins() {
 }
 
 #[test]
-fn rule1_beats_an_earlier_death() {
+fn rule1_the_first_candidate_by_revision_wins_record_or_death() {
     let mut w = World::new();
     group_of_four(&mut w);
     w.vanish(G, 3);
     w.record(G, 1, 9, "local", "peer_disconnect");
     let v = w.verdict(9, None);
-    assert_eq!(v.culprit.unwrap().rank, 1);
-    assert_eq!(v.action, Action::Abort);
+    assert_eq!(v.culprit.unwrap().rank, 3, "the death came first");
+    assert_eq!(v.action, Action::AbortAndRestartGroup);
+    // A record before the death wins the same way.
+    let mut w = World::new();
+    group_of_four(&mut w);
+    w.record(G, 2, 10, "local", "nixl_error");
+    w.vanish(G, 0);
+    let v = w.verdict(10, None);
+    assert_eq!((v.culprit.unwrap().rank, v.action), (2, Action::Abort));
+}
+
+/// Issue 9's report: rank 3 died before the rooms' first records; the survivors were told so;
+/// a later local record of rank 1 must not change the answer.
+#[test]
+fn rule2_resolved_is_final_a_later_local_record_does_not_move_the_culprit() {
+    let mut w = World::new();
+    group_of_four(&mut w);
+    w.vanish(G, 3);
+    for r in [0, 2] {
+        w.record(G, r, 8, "propagated", "other");
+    }
+    let before = w.verdict(8, None);
+    assert_eq!(
+        (before.status, before.culprit.as_ref().unwrap().rank),
+        (Status::Resolved, 3)
+    );
+    w.advance(2_000);
+    w.record(G, 1, 8, "local", "transfer_timeout");
+    let after = w.verdict(8, None);
+    let (b, a) = (before.culprit.unwrap(), after.culprit.unwrap());
+    assert_eq!((a.group, a.rank, a.incarnation), (b.group, b.rank, b.incarnation));
+    assert_eq!(w.index.recent_failures(None, 10)[0].rank, 3);
+}
+
+#[test]
+fn rule2_a_late_watchdog_certificate_refines_the_reason_and_never_moves_the_culprit() {
+    let mut w = World::new();
+    group_of_four(&mut w);
+    w.record(G, 0, 15, "propagated", "other");
+    w.vanish(G, 3);
+    w.record(G, 1, 15, "local", "nixl_error");
+    assert_eq!(w.verdict(15, None).culprit.unwrap().reason.as_str(), "lease_expired");
+    w.advance(9_000); // later than the pending window: the death keeps its own time
+    w.certify(G, 3, "oom_host", "watchdog");
+    let c = w.verdict(15, None).culprit.unwrap();
+    assert_eq!(
+        (c.rank, c.reason.as_str(), c.source),
+        (3, "oom_host", "down_certificate")
+    );
+    // A clean exit claimed after the rank was seen dead is still a death.
+    let mut w = World::new();
+    group_of_four(&mut w);
+    w.record(G, 0, 16, "propagated", "other");
+    w.vanish(G, 2);
+    w.certify(G, 2, "shutdown", "supervisor");
+    assert_eq!(w.verdict(16, None).culprit.unwrap().rank, 2);
+}
+
+#[test]
+fn rule5_cause_follows_the_peer_to_its_own_root_cause() {
+    let mut w = World::new();
+    group_of_four(&mut w);
+    for r in 0..4 {
+        w.register(D, r, 4, 5000);
+    }
+    // Prefill rank 2's WRITE failed because decode rank 2 was OOM-killed.
+    w.certify(D, 2, "oom_host", "watchdog");
+    w.vanish(D, 2);
+    w.record_with_peer(
+        G,
+        2,
+        30,
+        "local",
+        "nixl_error",
+        serde_json::json!({"group": D, "rank": 2}),
+    );
+    let v = w.verdict(30, Some(G));
+    let (c, cause) = (v.culprit.unwrap(), v.cause.unwrap());
+    assert_eq!((c.group.as_str(), c.rank, c.reason.as_str()), (G, 2, "nixl_error"));
+    assert_eq!(c.peer.as_ref().and_then(|p| p.rank), Some(2));
+    assert_eq!(
+        (cause.group.as_str(), cause.rank, cause.reason.as_str()),
+        (D, 2, "oom_host")
+    );
+    let advice = v.advice.unwrap();
+    assert!(
+        advice.contains("ran out of memory") && advice.contains("decode-0 rank 2"),
+        "{advice}"
+    );
+}
+
+#[test]
+fn rule5_a_peer_named_by_nixl_agent_is_found_and_chains_stop_at_loops_and_four_hops() {
+    let mut w = World::new();
+    w.register(G, 0, 1, 5000);
+    w.register_with_agent(D, 0, 1, 5000, Some("agent-d0"));
+    // The prefill rank knows only its decode peer's NIXL agent name (all SGLang gives it).
+    w.vanish(D, 0);
+    w.record_with_peer(
+        G,
+        0,
+        31,
+        "local",
+        "peer_disconnect",
+        serde_json::json!({"agent": "agent-d0"}),
+    );
+    let v = w.verdict(31, Some(G));
+    let cause = v.cause.unwrap();
+    assert_eq!(
+        (cause.group.as_str(), cause.rank, cause.reason.as_str()),
+        (D, 0, "lease_expired")
+    );
+    assert_eq!(
+        v.culprit.unwrap().peer.unwrap().group.map(|g| g.to_string()),
+        Some(D.to_string())
+    );
+    // A loop: two ranks naming each other end the chain at the other one.
+    let mut w = World::new();
+    w.register(G, 0, 1, 5000);
+    w.register(D, 0, 1, 5000);
+    w.record_with_peer(
+        G,
+        0,
+        32,
+        "local",
+        "nixl_error",
+        serde_json::json!({"group": D, "rank": 0}),
+    );
+    w.record_with_peer(
+        D,
+        0,
+        32,
+        "local",
+        "nixl_error",
+        serde_json::json!({"group": G, "rank": 0}),
+    );
+    let cause = w.verdict(32, Some(G)).cause.unwrap();
+    assert_eq!(cause.group.as_str(), D);
+    // A chain longer than 4 hops stops at the fourth.
+    let mut w = World::new();
+    for g in 0..6 {
+        w.register(&format!("g{g}"), 0, 1, 5000);
+    }
+    for g in 0..6 {
+        w.record_with_peer(
+            &format!("g{g}"),
+            0,
+            33,
+            "local",
+            "nixl_error",
+            serde_json::json!({"group": format!("g{}", g + 1), "rank": 0}),
+        );
+    }
+    assert_eq!(w.verdict(33, Some("g0")).cause.unwrap().group.as_str(), "g4");
+}
+
+#[test]
+fn rule6_advice_says_what_to_do_and_counts_repeats() {
+    let mut w = World::new();
+    group_of_four(&mut w);
+    w.record(G, 0, 40, "propagated", "other");
+    w.certify(G, 1, "oom_host", "watchdog");
+    let v = w.verdict(40, None);
+    assert_eq!(v.culprit.as_ref().unwrap().repeat, 1);
+    assert!(v.advice.unwrap().contains("if it recurs, lower --mem-fraction-static"));
+    w.register(G, 1, 4, 5000);
+    w.advance(70_000);
+    w.record(G, 0, 41, "propagated", "other");
+    w.certify(G, 1, "oom_host", "watchdog");
+    let v = w.verdict(41, None);
+    assert_eq!(v.culprit.as_ref().unwrap().repeat, 2);
+    let advice = v.advice.unwrap();
+    assert!(
+        advice.contains("again (2 times)") && advice.contains("--max-total-tokens"),
+        "{advice}"
+    );
+    // The compact answer carries who and why in ~200 bytes.
+    let compact = serde_json::to_string(&rootrank_core::CompactVerdict::from(&w.verdict(41, None))).unwrap();
+    assert!(compact.len() <= 220, "{} bytes: {compact}", compact.len());
+    assert!(
+        compact.contains("\"oom_host\"") && compact.contains("\"rank\":1"),
+        "{compact}"
+    );
 }
 
 #[test]

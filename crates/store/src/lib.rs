@@ -115,6 +115,15 @@ pub async fn put_certificate(
     let mut refined = down.clone();
     refined.observed_revision = refined.observed_revision.or(prev.observed_revision);
     refined.registered_revision = refined.registered_revision.or(prev.registered_revision);
+    // The death happened no later than the coordinator saw its live key vanish.
+    let earlier = |a: &str, b: &str| match (rootrank_core::time::parse_ms(a), rootrank_core::time::parse_ms(b)) {
+        (Some(x), Some(y)) if y < x => b.to_string(),
+        _ => a.to_string(),
+    };
+    refined.at = match (refined.at.take(), prev.at) {
+        (Some(a), Some(b)) => Some(earlier(&a, &b)),
+        (a, b) => a.or(b),
+    };
     let opts = lease.map(|l| PutOptions::new().with_lease(l));
     let txn = Txn::new()
         .when([Compare::mod_revision(key, CompareOp::Equal, kv.mod_revision())])

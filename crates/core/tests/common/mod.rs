@@ -128,11 +128,16 @@ impl World {
 
     /// A rank registers a new incarnation; returns its lease id.
     pub fn register(&mut self, g: &str, r: u32, size: u32, ttl_ms: u64) -> i64 {
+        self.register_with_agent(g, r, size, ttl_ms, None)
+    }
+
+    /// The same, naming the rank's NIXL agent in its live record.
+    pub fn register_with_agent(&mut self, g: &str, r: u32, size: u32, ttl_ms: u64, nixl_agent: Option<&str>) -> i64 {
         self.next_lease += 1;
         let lease = self.next_lease;
         self.leases.insert((g.to_string(), r), lease);
         let v = json!({"v":1,"group":g,"rank":r,"group_size":size,"role":"prefill","host":"host-a","pid":1000 + r,
-            "lease_ttl_ms":ttl_ms,"started_at":time::format_ms(self.now),"agent":"rootrank-agent/0.1.0"});
+            "lease_ttl_ms":ttl_ms,"started_at":time::format_ms(self.now),"agent":"rootrank-agent/0.1.0","nixl_agent":nixl_agent});
         self.put_raw(&key_live(g, r), v.to_string().into_bytes(), lease);
         self.registered_at_revision.insert(lease, self.rev);
         lease
@@ -151,23 +156,43 @@ impl World {
         let inc = self.incarnation(g, r);
         let k = key_down(g, r, inc);
         let mut observed_revision = serde_json::Value::Null;
+        let mut at = time::format_ms(self.now);
         let registered_revision = json!(self.registered_at_revision.get(&inc));
         if let Some((v, _, _)) = self.kv.get(&k) {
             let existing: serde_json::Value = serde_json::from_slice(v).unwrap_or_default();
             if existing["source"] != "coordinator" {
                 return;
             }
-            // Writers keep the coordinator's observed revision when they refine its certificate.
+            // Writers keep the coordinator's observed revision, and its time when earlier, when
+            // they refine its certificate (rootrank_store::put_certificate).
             observed_revision = existing["observed_revision"].clone();
+            if let Some(prev) = existing["at"].as_str() {
+                if time::parse_ms(prev).unwrap_or(i64::MAX) < self.now {
+                    at = prev.to_string();
+                }
+            }
         }
         let v = json!({"v":1,"group":g,"rank":r,"incarnation":inc.to_string(),"reason":reason,"detail":format!("{reason} seen by {source}"),
-            "source":source,"host":"host-a","pid":1000 + r,"at":time::format_ms(self.now),"exit":{"code":null,"signal":9},"log_tail":["Traceback (most recent call last):","RuntimeError: boom"],
+            "source":source,"host":"host-a","pid":1000 + r,"at":at,"exit":{"code":null,"signal":9},"log_tail":["Traceback (most recent call last):","RuntimeError: boom"],
             "observed_revision":observed_revision,"registered_revision":registered_revision});
         self.put_raw(&k, v.to_string().into_bytes(), 0);
     }
 
     /// A room record: create-if-absent, first reason wins.
     pub fn record(&mut self, g: &str, r: u32, room: u64, origin: &str, reason: &str) {
+        self.record_with_peer(g, r, room, origin, reason, serde_json::Value::Null);
+    }
+
+    /// A room record naming the transfer peer it failed against.
+    pub fn record_with_peer(
+        &mut self,
+        g: &str,
+        r: u32,
+        room: u64,
+        origin: &str,
+        reason: &str,
+        peer: serde_json::Value,
+    ) {
         let k = key_room(g, room, r);
         if self.kv.contains_key(&k) {
             return;
@@ -175,7 +200,7 @@ impl World {
         let inc = self.incarnation(g, r);
         let v = json!({"v":1,"group":g,"rank":r,"room":room.to_string(),"origin":origin,"reason":reason,
             "detail":if origin == "local" { format!("NIXL transfer encountered ERR room={room}") } else { "NIXL KVSender Exception".to_string() },
-            "at":time::format_ms(self.now),"incarnation":inc.to_string(),"peer":null});
+            "at":time::format_ms(self.now),"incarnation":inc.to_string(),"peer":peer});
         self.put_raw(&k, v.to_string().into_bytes(), 0);
     }
 
