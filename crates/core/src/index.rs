@@ -13,7 +13,7 @@
 //!   never a culprit; a certificate for an old incarnation never marks a newer one down.
 //! - Malformed values are skipped and reported as [`Output::Invalid`]; nothing panics.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 
 use serde::Serialize;
@@ -209,6 +209,8 @@ pub(crate) struct RoomEntry {
     pub(crate) records: Vec<RoomRecord>,
     pub(crate) first_observed_ms: i64,
     pub(crate) resolved: bool,
+    /// Its key in `root_causes`, once resolved.
+    pub(crate) root_cause_revision: Option<i64>,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -229,6 +231,9 @@ pub struct RootCause {
     pub detail: String,
     pub at: String,
     pub revision: i64,
+    pub repeat: u32,
+    pub cause: Option<crate::CompactCause>,
+    pub advice: Option<String>,
 }
 
 /// See the module docs.
@@ -243,9 +248,11 @@ pub struct Index {
     pub(crate) rooms: HashMap<RoomId, RoomEntry>,
     /// Rooms with records in a group and no verdict yet, re-checked when a death lands.
     pub(crate) unresolved: HashMap<GroupId, HashSet<RoomId>>,
-    /// Recently resolved rooms, newest first: (room, revision). The root cause itself is
-    /// derived when asked, so resolving a million rooms on a reload builds no strings.
-    pub(crate) root_causes: VecDeque<(RoomId, i64)>,
+    /// The most recently resolved rooms, by (revision, room): the revision at which the room
+    /// had both its first record and its culprit, a function of etcd state, so replicas and
+    /// a reloaded coordinator keep the same log. The root cause itself is derived when asked,
+    /// so resolving a million rooms on a reload builds no strings.
+    pub(crate) root_causes: BTreeSet<(i64, RoomId)>,
     /// `local` room records per rank, for `repeat`: like everything a verdict uses, a
     /// function of the records in etcd (they leave with their retention lease).
     pub(crate) local_counts: BTreeMap<(GroupId, Rank), u32>,
@@ -269,7 +276,7 @@ impl Index {
             local_counts: BTreeMap::new(),
             agents: BTreeMap::new(),
             unresolved: HashMap::new(),
-            root_causes: VecDeque::new(),
+            root_causes: BTreeSet::new(),
             record_count: 0,
             interned_reasons: HashSet::new(),
         }
@@ -322,10 +329,27 @@ impl Index {
     /// Ends a snapshot read at `revision`: the index now reflects it.
     pub fn finish_snapshot(&mut self, revision: i64) {
         self.advance_to(revision);
-        // Rooms resolved while loading were met in key order; the log is newest first.
-        self.root_causes
-            .make_contiguous()
-            .sort_by_key(|(_, rev)| std::cmp::Reverse(*rev));
+        // A snapshot comes in key order, so a room may have resolved on a record that was not
+        // its first: place every resolved room in the log by its final culprit, as a
+        // coordinator that watched would have.
+        let resolved: Vec<RoomId> = self.rooms.iter().filter(|(_, e)| e.resolved).map(|(r, _)| *r).collect();
+        self.root_causes.clear();
+        for room in resolved {
+            let decision = self.decide(room, None, 0, 0);
+            let first = self
+                .rooms
+                .get(&room)
+                .and_then(|e| e.records.first())
+                .map_or(0, |r| r.revision);
+            let log_revision = self.decision_revision(&decision, room).max(first);
+            if let Some(entry) = self.rooms.get_mut(&room) {
+                entry.root_cause_revision = Some(log_revision);
+            }
+            self.root_causes.insert((log_revision, room));
+            if self.root_causes.len() > self.config.root_cause_log {
+                self.root_causes.pop_first();
+            }
+        }
     }
 
     /// Applies one event. Events must come in revision order (as etcd delivers them).
@@ -447,7 +471,9 @@ impl Index {
                     }
                 }
                 if entry.records.is_empty() {
-                    self.rooms.remove(&room);
+                    if let Some(rev) = self.rooms.remove(&room).and_then(|e| e.root_cause_revision) {
+                        self.root_causes.remove(&(rev, room));
+                    }
                 }
             }
             _ => {}
@@ -729,6 +755,7 @@ impl Index {
         let decision = self.decide(room, None, now, now);
         let Some(entry) = self.rooms.get(&room) else { return };
         let first_observed = entry.first_observed_ms;
+        let first_revision = entry.records.first().map_or(revision, |r| r.revision);
         let groups: BTreeSet<GroupId> = entry.records.iter().map(|r| r.group.clone()).collect();
         let resolved = match decision.summary(self, room) {
             Some(c) => c,
@@ -751,8 +778,10 @@ impl Index {
             }
         }
         let (group, rank, reason, source) = resolved;
+        let log_revision = self.decision_revision(&decision, room).max(first_revision);
         if let Some(entry) = self.rooms.get_mut(&room) {
             entry.resolved = true;
+            entry.root_cause_revision = Some(log_revision);
         }
         out.push(Output::RoomResolved {
             room,
@@ -764,8 +793,23 @@ impl Index {
             first_record_observed_ms: first_observed,
             observed_ms: now,
         });
-        self.root_causes.push_front((room, revision));
-        self.root_causes.truncate(self.config.root_cause_log);
+        self.root_causes.insert((log_revision, room));
+        while self.root_causes.len() > self.config.root_cause_log {
+            self.root_causes.pop_first();
+        }
+    }
+
+    /// The revision of a decision's culprit (its record or its death).
+    pub(crate) fn decision_revision(&self, decision: &crate::verdict::Decision, room: RoomId) -> i64 {
+        match decision {
+            crate::verdict::Decision::Record { idx } => self
+                .rooms
+                .get(&room)
+                .and_then(|e| e.records.get(*idx))
+                .map_or(0, |r| r.revision),
+            crate::verdict::Decision::Death { key } => self.deaths.get(key).map_or(0, |d| d.revision),
+            _ => 0,
+        }
     }
 
     /// Shares one allocation per distinct reason (a million records carry a dozen reasons).

@@ -331,6 +331,16 @@ impl Index {
         }
     }
 
+    /// Only the status of the answer: what a long poll checks on every new revision,
+    /// without building the verdict's strings.
+    pub fn verdict_status(&self, q: &VerdictQuery) -> Status {
+        match self.decide(q.room, q.group.as_ref(), q.asked_at_ms, q.now_ms) {
+            Decision::Record { .. } | Decision::Death { .. } => Status::Resolved,
+            Decision::Pending { .. } => Status::Pending,
+            Decision::Unknown => Status::Unknown,
+        }
+    }
+
     /// Answers a verdict question (SPEC section 5).
     pub fn verdict(&self, q: &VerdictQuery) -> Verdict {
         let scope = self.scope(q.room, q.group.as_ref(), q.asked_at_ms);

@@ -161,11 +161,29 @@ impl Index {
     /// Recent root causes, newest first (`GET /v1/failures`). Derived from the rooms as they
     /// are now; a room whose records have expired is gone from the list too.
     pub fn recent_failures(&self, group: Option<&GroupId>, limit: usize) -> Vec<RootCause> {
-        self.root_causes
+        let mut list: Vec<RootCause> = self
+            .root_causes
             .iter()
-            .filter_map(|(room, revision)| {
+            .rev()
+            .filter_map(|(_, room)| {
                 // A resolved room's culprit does not depend on the time of the question.
-                let c = self.decide(*room, None, 0, 0).culprit(self, *room)?;
+                let v = self.verdict(&crate::VerdictQuery {
+                    room: *room,
+                    group: None,
+                    asked_at_ms: 0,
+                    now_ms: 0,
+                });
+                let c = v.culprit?;
+                // The log's order key, from the culprit as it stands now (a room loaded from a
+                // snapshot taken between a vanished key and its certificate may have been
+                // placed by an earlier guess).
+                let first = self
+                    .rooms
+                    .get(room)
+                    .and_then(|e| e.records.first())
+                    .map_or(0, |r| r.revision);
+                let culprit = self.decide(*room, None, 0, 0);
+                let revision = self.decision_revision(&culprit, *room).max(first);
                 Some(RootCause {
                     room: *room,
                     group: c.group,
@@ -174,12 +192,21 @@ impl Index {
                     source: c.source,
                     detail: c.detail,
                     at: c.at,
-                    revision: *revision,
+                    revision,
+                    repeat: c.repeat,
+                    cause: v.cause.map(|k| crate::CompactCause {
+                        group: k.group,
+                        rank: k.rank,
+                        reason: k.reason,
+                    }),
+                    advice: v.advice,
                 })
             })
             .filter(|c| group.is_none_or(|g| &c.group == g))
-            .take(limit)
-            .collect()
+            .collect();
+        list.sort_by(|a, b| b.revision.cmp(&a.revision).then(a.room.cmp(&b.room)));
+        list.truncate(limit);
+        list
     }
 
     /// Whether a group was ever seen (live record, death or room record).

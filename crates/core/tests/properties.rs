@@ -98,6 +98,10 @@ proptest! {
             prop_assert_eq!(verdicts(&w.index, now), verdicts(&reloaded, now));
         }
         prop_assert_eq!(verdicts(&w.index, w.now), verdicts(&w.snapshot_index(), w.now));
+        // The history of root causes too, byte for byte (no map order leaks into it).
+        let failures = |i: &Index| serde_json::to_string(&i.recent_failures(None, 100)).unwrap();
+        prop_assert_eq!(failures(&w.index), failures(&reloaded));
+        prop_assert_eq!(failures(&w.index), failures(&w.snapshot_index()));
     }
 
     /// Rules 1 and 2 (v2): the culprit is the earliest candidate by revision (a `local`
