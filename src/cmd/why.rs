@@ -78,13 +78,38 @@ pub fn render(v: &Value) -> String {
         if let Some(d) = c.get("detail").and_then(Value::as_str).filter(|d| !d.is_empty()) {
             out.push_str(&format!("  detail:  {}\n", d.lines().next().unwrap_or("")));
         }
-        if let Some(tail) = c.get("log_tail").and_then(Value::as_array).filter(|t| !t.is_empty()) {
-            out.push_str("  last log lines:\n");
-            for l in tail.iter().rev().take(8).collect::<Vec<_>>().into_iter().rev() {
-                out.push_str(&format!("    | {}\n", l.as_str().unwrap_or("")));
-            }
+        if let Some(n) = c.get("repeat").and_then(Value::as_u64).filter(|n| *n > 1) {
+            out.push_str(&format!("  repeat:  failed {n} times in the retention window\n"));
+        }
+    }
+    // The cause's traceback says more than the culprit's, when there is one.
+    let root = v["cause"].as_object().or(v["culprit"].as_object());
+    if let Some(k) = v["cause"].as_object() {
+        out.push_str(&format!(
+            "  cause:   {} rank {}: {} (from {})",
+            s(&k["group"]),
+            s(&k["rank"]),
+            s(&k["reason"]),
+            s(&k["source"])
+        ));
+        if let Some(d) = k.get("detail").and_then(Value::as_str).filter(|d| !d.is_empty()) {
+            out.push_str(&format!(": {}", d.lines().next().unwrap_or("")));
+        }
+        out.push('\n');
+    }
+    if let Some(tail) = root
+        .and_then(|c| c.get("log_tail"))
+        .and_then(Value::as_array)
+        .filter(|t| !t.is_empty())
+    {
+        out.push_str("  last log lines:\n");
+        for l in tail.iter().rev().take(8).collect::<Vec<_>>().into_iter().rev() {
+            out.push_str(&format!("    | {}\n", l.as_str().unwrap_or("")));
         }
     }
     out.push_str(&format!("  {}\n", s(&v["explain"])));
+    if let Some(a) = v["advice"].as_str() {
+        out.push_str(&format!("  advice:  {a}\n"));
+    }
     out
 }

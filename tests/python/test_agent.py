@@ -15,7 +15,7 @@ from conftest import Coordinator, spawn_python, wait_until
 
 RANK = """
 import os, sys, time, ctypes, rootrank
-a = rootrank.Agent(os.environ['G'], int(os.environ['R']), 2, lease_ttl_ms=1000)
+a = rootrank.Agent(os.environ['G'], int(os.environ['R']), int(os.environ.get('SIZE', '2')), lease_ttl_ms=1000)
 assert a.wait_registered(10) is not None
 print('registered', a.incarnation, flush=True)
 action = os.environ.get('ACTION', '')

@@ -228,5 +228,10 @@ def test_7_decode_killed_mid_transfer_prefill_error_first_hand(tmp, etcd, coordi
     v = coordinator.verdict(room, out["group"])
     assert v["status"] == "resolved" and v["culprit"]["reason"] == "peer_disconnect"
     assert dying["nixl_agent"] in v["culprit"]["detail"]
-    # The decode rank registered with its NIXL agent and is now down.
+    # The decode rank registered with its NIXL agent and is now down; the verdict's cause
+    # follows the prefill record's peer (the agent name) to it.
     wait_until(lambda: coordinator.rank_state(dying["group"], 0) == "down", 10, "decode rank down")
+    v = wait_until(lambda: (v := coordinator.verdict(room, out["group"])) and v["cause"] and v, 10, "the cause")
+    assert (v["cause"]["group"], v["cause"]["rank"], v["cause"]["reason"]) == (dying["group"], 0, "lease_expired"), v
+    assert v["culprit"]["peer"] == {"group": dying["group"], "rank": 0, "agent": dying["nixl_agent"]}
+    assert dying["group"] in v["advice"], v["advice"]

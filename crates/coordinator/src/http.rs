@@ -21,6 +21,9 @@ use crate::Shared;
 pub const MAX_URI_BYTES: usize = 8 * 1024;
 /// Longest long poll (SPEC: `wait_ms` 0..=30000).
 pub const MAX_WAIT_MS: u64 = 30_000;
+/// Long polls (`wait_ms` > 0) waiting at once; past it the answer is 503 with `Retry-After`,
+/// so a flood of waiters cannot exhaust the server.
+pub const MAX_LONG_POLLS: usize = 4096;
 
 pub fn router(shared: Arc<Shared>) -> Router {
     Router::new()
@@ -43,6 +46,7 @@ pub struct ApiError {
     status: StatusCode,
     code: &'static str,
     message: String,
+    retry_after: Option<u32>,
 }
 
 impl ApiError {
@@ -51,7 +55,13 @@ impl ApiError {
             status,
             code,
             message: message.into(),
+            retry_after: None,
         }
+    }
+    /// Adds `Retry-After` (seconds) to a 503.
+    fn retry_after(mut self, secs: u32) -> Self {
+        self.retry_after = Some(secs);
+        self
     }
     fn bad(code: &'static str, message: impl Into<String>) -> Self {
         ApiError::new(StatusCode::BAD_REQUEST, code, message)
@@ -67,11 +77,11 @@ impl ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (
-            self.status,
-            Json(json!({"error": {"code": self.code, "message": self.message}})),
-        )
-            .into_response()
+        let body = Json(json!({"error": {"code": self.code, "message": self.message}}));
+        match self.retry_after {
+            Some(secs) => (self.status, [(header::RETRY_AFTER, secs.to_string())], body).into_response(),
+            None => (self.status, body).into_response(),
+        }
     }
 }
 
@@ -160,7 +170,32 @@ async fn verdict(
 ) -> Result<Response, ApiError> {
     let Path(room) = room.map_err(|e| ApiError::bad("invalid_room", e.body_text()))?;
     let room = RoomId::parse(&room).map_err(|e| ApiError::bad("invalid_room", e.to_string()))?;
-    let q = parse_query(raw, &["group", "wait_ms", "asking_rank"])?;
+    let q = parse_query(raw, &["group", "wait_ms", "asking_rank", "view", "min_revision"])?;
+    let compact = match q.get("view").map(String::as_str) {
+        None | Some("full") => false,
+        Some("compact") => true,
+        Some(other) => {
+            return Err(ApiError::bad(
+                "invalid_view",
+                format!("view {:?}: \"compact\" or \"full\"", truncate(other)),
+            ))
+        }
+    };
+    let min_revision = match q.get("min_revision") {
+        None => None,
+        Some(r) => match r.parse::<i64>() {
+            Ok(n) if n >= 0 && r.bytes().all(|c| c.is_ascii_digit()) => Some(n),
+            _ => {
+                return Err(ApiError::bad(
+                    "invalid_min_revision",
+                    format!(
+                        "min_revision {:?}: a non-negative integer (an etcd revision)",
+                        truncate(r)
+                    ),
+                ))
+            }
+        },
+    };
     let group = q.get("group").map(|g| parse_group(g)).transpose()?;
     let wait_ms = match q.get("wait_ms") {
         None => 0,
@@ -179,32 +214,66 @@ async fn verdict(
         .map(|r| rootrank_core::ids::parse_rank(r).map_err(|e| ApiError::bad("invalid_asking_rank", e.to_string())))
         .transpose()?;
     ensure_ready(&shared)?;
+    // Held for the whole wait; dropped with the request.
+    let _slot = if wait_ms > 0 {
+        Some(shared.long_polls.clone().try_acquire_owned().map_err(|_| {
+            ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "too_many_waiters",
+                format!(
+                    "{MAX_LONG_POLLS} long polls are already waiting here; retry in a second, or ask another replica"
+                ),
+            )
+            .retry_after(1)
+        })?)
+    } else {
+        None
+    };
     let asked_at_ms = rootrank_store::unix_ms();
     let deadline = Instant::now() + Duration::from_millis(wait_ms);
     let mut revisions = shared.revision_tx.subscribe();
-    tracing::debug!(%room, group = group.as_ref().map(|g| g.as_str()), asking_rank, wait_ms, "verdict asked");
-    let verdict = loop {
+    let span = tracing::debug_span!("verdict", %room, group = group.as_ref().map(|g| g.as_str()), asking_rank);
+    span.in_scope(|| tracing::debug!(wait_ms, min_revision, "verdict asked"));
+    let query = |group: &Option<GroupId>| VerdictQuery {
+        room,
+        group: group.clone(),
+        asked_at_ms,
+        now_ms: rootrank_store::unix_ms(),
+    };
+    loop {
         revisions.mark_unchanged();
-        let query = VerdictQuery {
-            room,
-            group: group.clone(),
-            asked_at_ms,
-            now_ms: rootrank_store::unix_ms(),
-        };
-        let v = shared.index.read().map_err(|_| ApiError::not_ready())?.verdict(&query);
-        let now = Instant::now();
-        if v.status == Status::Resolved || now >= deadline {
-            break v;
+        {
+            let index = shared.index.read().map_err(|_| ApiError::not_ready())?;
+            let current = min_revision.is_none_or(|m| index.revision() >= m);
+            let now = Instant::now();
+            // The wake check asks only for the status; the verdict is built once, at the end.
+            if current && (now >= deadline || index.verdict_status(&query(&group)) == Status::Resolved) {
+                let v = index.verdict(&query(&group));
+                drop(index);
+                shared.metrics.verdicts.with_label_values(&[v.status.as_str()]).inc();
+                return Ok(if compact {
+                    Json(rootrank_core::CompactVerdict::from(&v)).into_response()
+                } else {
+                    Json(v).into_response()
+                });
+            }
+            if !current && now >= deadline {
+                return Err(ApiError::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "behind",
+                    format!(
+                        "this replica has applied etcd revision {} and min_revision is {}; ask another replica or wait (wait_ms)",
+                        index.revision(),
+                        min_revision.unwrap_or(0)
+                    ),
+                )
+                .retry_after(1));
+            }
         }
         // Wake on the next applied revision, or when the wait ends.
-        let _ = tokio::time::timeout(deadline - now, revisions.changed()).await;
-    };
-    shared
-        .metrics
-        .verdicts
-        .with_label_values(&[verdict.status.as_str()])
-        .inc();
-    Ok(Json(verdict).into_response())
+        let left = deadline.saturating_duration_since(Instant::now());
+        let _ = tokio::time::timeout(left, revisions.changed()).await;
+    }
 }
 
 async fn groups(State(shared): State<Arc<Shared>>, RawQuery(raw): RawQuery) -> Result<Response, ApiError> {
@@ -259,11 +328,21 @@ async fn failures(State(shared): State<Arc<Shared>>, RawQuery(raw): RawQuery) ->
 }
 
 async fn metrics(State(shared): State<Arc<Shared>>) -> Response {
-    let body = match shared.index.read() {
-        Ok(idx) => shared.metrics.render(&idx),
-        Err(_) => String::new(),
-    };
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body).into_response()
+    match shared.index.read() {
+        Ok(idx) => (
+            [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+            shared.metrics.render(&idx),
+        )
+            .into_response(),
+        // A panic while the index was being written: say so, never an empty 200 that a
+        // scraper would read as "no series".
+        Err(_) => ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "index_poisoned",
+            "the coordinator's index was left inconsistent by a panic; restart this replica",
+        )
+        .into_response(),
+    }
 }
 
 async fn readyz(State(shared): State<Arc<Shared>>) -> Response {

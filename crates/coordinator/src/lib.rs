@@ -40,6 +40,8 @@ pub struct Shared {
     /// Bumped after every applied batch; long polls wait on it.
     pub revision_tx: watch::Sender<i64>,
     pub metrics: metrics::Metrics,
+    /// Slots for long polls (see [`http::MAX_LONG_POLLS`]).
+    pub long_polls: Arc<tokio::sync::Semaphore>,
 }
 
 impl Shared {
@@ -50,6 +52,7 @@ impl Shared {
             ready: AtomicBool::new(false),
             revision_tx,
             metrics: metrics::Metrics::new()?,
+            long_polls: Arc::new(tokio::sync::Semaphore::new(http::MAX_LONG_POLLS)),
         }))
     }
 }
