@@ -73,6 +73,8 @@ def test_culprit_text():
     v = {"status": "resolved", "culprit": {"group": "prefill-0", "rank": 3, "reason": "oom_host",
                                            "source": "down_certificate", "detail": "killed by the OOM killer"}}
     assert plugin.culprit_text(v) == "failed at prefill-0 rank 3: oom_host (down_certificate): killed by the OOM killer"
+    v["cause"] = {"group": "decode-0", "rank": 3, "reason": "oom_host"}
+    assert plugin.culprit_text(v).endswith("killed by the OOM killer; cause: decode-0 rank 3: oom_host")
     assert plugin.culprit_text({"status": "pending", "culprit": None}) is None
     assert plugin.culprit_text(None) is None
 

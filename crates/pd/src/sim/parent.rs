@@ -78,6 +78,8 @@ pub struct RoomSummary {
     pub reduced: Option<u8>,
     /// The culprit as the survivors' verdict (or a rank's own failure) names it.
     pub culprit: Option<serde_json::Value>,
+    /// The culprit's own root cause, through its peer (SPEC rule 5), when the verdict has one.
+    pub cause: Option<serde_json::Value>,
     pub verdict_status: Option<String>,
     /// Prefill ranks that failed the room themselves: (rank, reason).
     pub local_failures: Vec<(u32, String)>,
@@ -105,6 +107,15 @@ impl RoomSummary {
                 "culprit unknown (verdict {})",
                 self.verdict_status.as_deref().unwrap_or("not asked")
             ),
+        };
+        let culprit = match &self.cause {
+            Some(k) => format!(
+                "{culprit} <- cause {} rank {} {}",
+                str_of(&k["group"]),
+                str_of(&k["rank"]),
+                str_of(&k["reason"])
+            ),
+            None => culprit,
         };
         let intact = self.decode_checks.iter().filter(|(_, ok)| *ok).count();
         format!(
@@ -730,6 +741,7 @@ fn summarize(
         status,
         reduced,
         culprit,
+        cause: resolved_verdict.map(|v| v["cause"].clone()).filter(|k| !k.is_null()),
         verdict_status: resolved_verdict
             .or(any_verdict)
             .and_then(|v| v["status"].as_str().map(str::to_string)),

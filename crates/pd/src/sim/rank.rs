@@ -312,14 +312,23 @@ fn prefill_room(
 pub fn culprit_error(room: u64, v: &serde_json::Value) -> Option<String> {
     let s = |x: &serde_json::Value| x.as_str().map(str::to_string).unwrap_or_else(|| x.to_string());
     let c = v["culprit"].as_object().filter(|_| v["status"] == "resolved")?;
-    Some(format!(
+    let mut text = format!(
         "KVTransferError(bootstrap_room={room}): failed at {} rank {}: {} ({}): {}",
         s(&c["group"]),
         s(&c["rank"]),
         s(&c["reason"]),
         s(&c["source"]),
         c.get("detail").and_then(|d| d.as_str()).unwrap_or("")
-    ))
+    );
+    if let Some(k) = v["cause"].as_object() {
+        text.push_str(&format!(
+            "; cause: {} rank {}: {}",
+            s(&k["group"]),
+            s(&k["rank"]),
+            s(&k["reason"])
+        ));
+    }
+    Some(text)
 }
 
 fn log_culprit(room: u64, v: &serde_json::Value) {

@@ -434,7 +434,11 @@ def culprit_text(verdict: Optional[Dict[str, Any]]) -> Optional[str]:
         return None
     text = f"failed at {c['group']} rank {c['rank']}: {c.get('reason', 'other')} ({c.get('source', '?')})"
     detail = str(c.get("detail") or "").strip()
-    return f"{text}: {detail}" if detail else text
+    text = f"{text}: {detail}" if detail else text
+    cause = verdict.get("cause")
+    if isinstance(cause, dict) and "group" in cause:
+        text += f"; cause: {cause['group']} rank {cause.get('rank')}: {cause.get('reason', 'other')}"
+    return text
 
 
 def _set_reason(exc: BaseException, text: str) -> None:
