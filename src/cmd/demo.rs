@@ -55,6 +55,7 @@ pub fn run(_a: DemoArgs) -> anyhow::Result<ExitCode> {
             listen: ([127, 0, 0, 1], port).into(),
             index: IndexConfig::default(),
             retention: Duration::from_secs(600),
+            max_long_polls: rootrank_coordinator::http::MAX_LONG_POLLS,
         },
         async {
             let _ = stop_rx.await;

@@ -28,6 +28,9 @@ pub struct ServeArgs {
     /// How long the certificates the coordinator writes are kept.
     #[arg(long, default_value_t = 600)]
     pub retention_s: u64,
+    /// Long polls (verdicts with wait_ms) allowed to wait at once; past it, 503 with Retry-After.
+    #[arg(long, default_value_t = rootrank_coordinator::http::MAX_LONG_POLLS)]
+    pub max_long_polls: usize,
 }
 
 fn default_data_dir() -> PathBuf {
@@ -85,6 +88,7 @@ pub fn run(a: ServeArgs) -> anyhow::Result<ExitCode> {
             ..IndexConfig::default()
         },
         retention: Duration::from_secs(a.retention_s.max(1)),
+        max_long_polls: a.max_long_polls,
     };
     eprintln!(
         "rootrank: coordinator on http://{} (etcd {})",

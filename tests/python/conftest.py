@@ -88,12 +88,12 @@ def _json(body: bytes):
 
 
 class Coordinator:
-    def __init__(self, etcd: Etcd, tmp: Path):
+    def __init__(self, etcd: Etcd, tmp: Path, *extra: str):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(tmp / f"coordinator-{self.port}.log", "w")
         self.proc = subprocess.Popen(
-            [ROOTRANK_BIN, "serve", "--etcd-endpoints", etcd.url, "--listen", f"127.0.0.1:{self.port}"],
+            [ROOTRANK_BIN, "serve", "--etcd-endpoints", etcd.url, "--listen", f"127.0.0.1:{self.port}", *extra],
             stdout=self.log, stderr=subprocess.STDOUT,
         )
         wait_until(lambda: self.http("/readyz")[0] == 200, 20, "coordinator /readyz")

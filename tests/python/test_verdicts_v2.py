@@ -122,3 +122,31 @@ def test_why_prints_cause_and_advice(etcd, coordinator):
         assert re.search(r"cause: +decode-0 rank 2: oom_host", why.stdout), why.stdout
         assert "advice:" in why.stdout and "ran out of memory" in why.stdout, why.stdout
         assert "Out of memory: Killed process 4242" in why.stdout
+
+
+def test_a_flood_of_long_polls_is_bounded_and_others_still_answered(etcd, tmp):
+    """Past --max-long-polls waiters, a long poll gets 503 too_many_waiters with Retry-After at
+    once; answers that do not wait, and the waiters themselves, are unaffected."""
+    import threading
+    import time
+
+    c = Coordinator(etcd, tmp, "--max-long-polls", "8")
+    try:
+        results = []
+        def wait(room):  # rooms nobody failed: each waits its whole 3 s
+            results.append(raw(f"{c.url}/v1/rooms/{room}/verdict?wait_ms=3000")[0])
+        waiters = [threading.Thread(target=wait, args=(1000 + i,)) for i in range(8)]
+        for t in waiters:
+            t.start()
+        time.sleep(1.0)
+        status, headers, body = raw(f"{c.url}/v1/rooms/77/verdict?wait_ms=3000")
+        assert status == 503 and json.loads(body)["error"]["code"] == "too_many_waiters", body
+        assert {k.lower(): v for k, v in headers.items()}["retry-after"] == "1"
+        assert raw(f"{c.url}/v1/rooms/77/verdict")[0] == 200  # no wait: answered
+        assert raw(f"{c.url}/healthz")[0] == 200
+        for t in waiters:
+            t.join()
+        assert results == [200] * 8
+        assert raw(f"{c.url}/v1/rooms/77/verdict?wait_ms=10")[0] == 200  # slots are given back
+    finally:
+        c.kill()

@@ -229,6 +229,7 @@ pub fn serve_coordinator(endpoints: Vec<String>, listen: std::net::SocketAddr, p
             ..rootrank_core::IndexConfig::default()
         },
         retention: Duration::from_secs(600),
+        max_long_polls: rootrank_coordinator::http::MAX_LONG_POLLS,
     };
     // The same runtime shape as `rootrank serve` (src/cmd/mod.rs): 2 worker threads.
     let rt = tokio::runtime::Builder::new_multi_thread()

@@ -55,8 +55,9 @@ pub fn goals(results: &Value) -> Vec<Value> {
     let s = &results["sections"];
     let v = &s["verdicts"];
     let mut out = Vec::new();
-    let (verdict, healthz, etcd) = (
+    let (verdict, compact, healthz, etcd) = (
         find_run(v, "verdict", 16),
+        find_run(v, "verdict_compact", 16),
         find_run(v, "healthz", 16),
         find_run(v, "etcd_direct", 16),
     );
@@ -64,10 +65,34 @@ pub fn goals(results: &Value) -> Vec<Value> {
         (Some(a), Some(b)) if f(&b["rps"]) > 0.0 => f(&a["rps"]) / f(&b["rps"]),
         _ => f64::NAN,
     };
+    let p99_ratio = |a: Option<&Value>, b: Option<&Value>| match (a, b) {
+        (Some(a), Some(b)) if f(&b["latency"]["p99_us"]) > 0.0 => {
+            f(&a["latency"]["p99_us"]) / f(&b["latency"]["p99_us"])
+        }
+        _ => f64::NAN,
+    };
     out.push(at_least(
-        "verdict rps at 16 conns / /healthz rps",
+        "compact verdict rps at 16 conns / /healthz rps",
         0.8,
+        ratio(compact, healthz),
+        "x",
+    ));
+    out.push(at_least(
+        "full verdict rps at 16 conns / /healthz rps",
+        0.7,
         ratio(verdict, healthz),
+        "x",
+    ));
+    out.push(at_most(
+        "compact verdict p99 / /healthz p99 at 16 conns",
+        1.5,
+        p99_ratio(compact, healthz),
+        "x",
+    ));
+    out.push(at_most(
+        "full verdict p99 / /healthz p99 at 16 conns",
+        1.5,
+        p99_ratio(verdict, healthz),
         "x",
     ));
     out.push(at_least(
@@ -485,7 +510,7 @@ fn panels(results: &Value) -> Vec<(String, Vec<Series>)> {
         .collect();
     conns.dedup();
     for c in conns {
-        let series = ["verdict", "healthz", "etcd_direct"]
+        let series = ["verdict", "verdict_compact", "healthz", "etcd_direct"]
             .iter()
             .filter_map(|t| {
                 find_run(&s["verdicts"], t, c)

@@ -98,12 +98,26 @@ pub async fn run(env: &Env, cfg: &VerdictsCfg) -> anyhow::Result<Value> {
     let paths = verdict_paths(&data.rooms, 10_000);
     let first = paths.first().context("no rooms")?;
     check_resolved(&coord.url, first).await?;
+    let compact_paths: Vec<String> = paths.iter().map(|p| format!("{p}&view=compact")).collect();
+    let bytes_of = |path: String| {
+        let url = coord.url.clone();
+        async move {
+            let http = crate::util::http_client(Duration::from_secs(5))?;
+            anyhow::Ok(http.get(format!("{url}{path}")).send().await?.bytes().await?.len())
+        }
+    };
+    let answer_bytes = json!({
+        "verdict": bytes_of(first.clone()).await?,
+        "verdict_compact": bytes_of(format!("{first}&view=compact")).await?,
+        "healthz": bytes_of("/healthz".to_string()).await?,
+    });
     let rooms = Arc::new(data.rooms.clone());
     let mut runs: Vec<Value> = Vec::new();
     let mut ratios = Vec::new();
     for &conns in &cfg.conns {
         let healthz = timed_wrk(env, &coord, "healthz", &["/healthz".to_string()], conns, cfg.duration).await?;
         let verdict = timed_wrk(env, &coord, "verdict", &paths, conns, cfg.duration).await?;
+        let compact = timed_wrk(env, &coord, "verdict_compact", &compact_paths, conns, cfg.duration).await?;
         let etcd_direct = {
             let mark = CpuMark::take(&[procs::etcd_pid(&etcd)?]);
             let r = load::etcd_direct(&endpoint, PREFIX, rooms.clone(), conns, cfg.duration, 50_000_000).await?;
@@ -113,11 +127,15 @@ pub async fn run(env: &Env, cfg: &VerdictsCfg) -> anyhow::Result<Value> {
         ratios.push(json!({
             "conns": conns,
             "verdict_over_healthz_rps": ratio(verdict.0.rps, healthz.0.rps),
+            "compact_over_healthz_rps": ratio(compact.0.rps, healthz.0.rps),
+            "verdict_p99_over_healthz_p99": ratio(verdict.0.latency.p99_us, healthz.0.latency.p99_us),
+            "compact_p99_over_healthz_p99": ratio(compact.0.latency.p99_us, healthz.0.latency.p99_us),
             "verdict_over_etcd_direct_rps": ratio(verdict.0.rps, etcd_direct.0.rps),
             "etcd_direct_p99_over_verdict_p99": ratio(etcd_direct.0.latency.p99_us, verdict.0.latency.p99_us),
         }));
         runs.push(run_json(&healthz.0, "coordinator", healthz.1));
         runs.push(run_json(&verdict.0, "coordinator", verdict.1));
+        runs.push(run_json(&compact.0, "coordinator", compact.1));
         runs.push(run_json(&etcd_direct.0, "etcd", etcd_direct.1));
     }
     keepalives.stop();
@@ -128,6 +146,7 @@ pub async fn run(env: &Env, cfg: &VerdictsCfg) -> anyhow::Result<Value> {
             "records_per_room": cfg.records_per_room, "records": data.records, "live_keys": data.live_keys,
             "local_records_per_room": 1, "duration_s": cfg.duration.as_secs_f64(), "populate_s": populate_s,
             "distinct_verdict_paths": paths.len(),
+            "answer_bytes": answer_bytes,
             "note": "coordinator, etcd, wrk and the etcd-direct loop share the machine's cores",
         },
         "runs": runs,

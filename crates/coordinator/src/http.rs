@@ -220,9 +220,7 @@ async fn verdict(
             ApiError::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "too_many_waiters",
-                format!(
-                    "{MAX_LONG_POLLS} long polls are already waiting here; retry in a second, or ask another replica"
-                ),
+                "the most long polls this replica lets wait (serve --max-long-polls) are waiting; retry in a second, or ask another replica",
             )
             .retry_after(1)
         })?)
@@ -248,14 +246,10 @@ async fn verdict(
             let now = Instant::now();
             // The wake check asks only for the status; the verdict is built once, at the end.
             if current && (now >= deadline || index.verdict_status(&query(&group)) == Status::Resolved) {
-                let v = index.verdict(&query(&group));
+                let (status, body) = shared.verdicts.answer(&index, &query(&group), compact)?;
                 drop(index);
-                shared.metrics.verdicts.with_label_values(&[v.status.as_str()]).inc();
-                return Ok(if compact {
-                    Json(rootrank_core::CompactVerdict::from(&v)).into_response()
-                } else {
-                    Json(v).into_response()
-                });
+                shared.metrics.verdicts.with_label_values(&[status.as_str()]).inc();
+                return Ok(([(header::CONTENT_TYPE, "application/json")], body).into_response());
             }
             if !current && now >= deadline {
                 return Err(ApiError::new(
@@ -273,6 +267,66 @@ async fn verdict(
         // Wake on the next applied revision, or when the wait ends.
         let left = deadline.saturating_duration_since(Instant::now());
         let _ = tokio::time::timeout(left, revisions.changed()).await;
+    }
+}
+
+/// Serialized resolved verdicts, keyed by (room, group, view) and valid for one index
+/// revision. A verdict is a function of the index at a revision, so this is exact; a resolved
+/// one (rooms with records) does not depend on the time of the question either. Pending and
+/// unknown answers depend on the clock and are never cached. Cleared whenever the revision
+/// moves or it holds too many answers.
+#[derive(Default)]
+pub struct VerdictCache {
+    inner: std::sync::Mutex<CacheInner>,
+}
+
+#[derive(Default)]
+struct CacheInner {
+    revision: i64,
+    answers: HashMap<(RoomId, Option<GroupId>, bool), bytes::Bytes>,
+}
+
+const CACHE_ANSWERS: usize = 100_000;
+
+impl VerdictCache {
+    fn answer(
+        &self,
+        index: &rootrank_core::Index,
+        q: &VerdictQuery,
+        compact: bool,
+    ) -> Result<(Status, bytes::Bytes), ApiError> {
+        let key = (q.room, q.group.clone(), compact);
+        if let Ok(c) = self.inner.lock() {
+            if c.revision == index.revision() {
+                if let Some(body) = c.answers.get(&key) {
+                    return Ok((Status::Resolved, body.clone()));
+                }
+            }
+        }
+        let v = index.verdict(q);
+        let encoded = if compact {
+            serde_json::to_vec(&rootrank_core::CompactVerdict::from(&v))
+        } else {
+            serde_json::to_vec(&v)
+        };
+        let body = bytes::Bytes::from(encoded.map_err(|e| {
+            ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "encode",
+                format!("verdict did not encode: {e}"),
+            )
+        })?);
+        let cacheable = v.status == Status::Resolved && v.evidence.iter().any(|e| e.kind == "room_record");
+        if cacheable {
+            if let Ok(mut c) = self.inner.lock() {
+                if c.revision != index.revision() || c.answers.len() >= CACHE_ANSWERS {
+                    c.answers.clear();
+                    c.revision = index.revision();
+                }
+                c.answers.insert(key, body.clone());
+            }
+        }
+        Ok((v.status, body))
     }
 }
 

@@ -30,6 +30,8 @@ pub struct CoordinatorConfig {
     pub index: IndexConfig,
     /// How long the certificates it writes are kept (default 600 s).
     pub retention: Duration,
+    /// Long polls allowed to wait at once (default [`http::MAX_LONG_POLLS`]).
+    pub max_long_polls: usize,
 }
 
 /// State shared by the sync loop and the HTTP handlers.
@@ -42,6 +44,7 @@ pub struct Shared {
     pub metrics: metrics::Metrics,
     /// Slots for long polls (see [`http::MAX_LONG_POLLS`]).
     pub long_polls: Arc<tokio::sync::Semaphore>,
+    pub verdicts: http::VerdictCache,
 }
 
 impl Shared {
@@ -52,7 +55,8 @@ impl Shared {
             ready: AtomicBool::new(false),
             revision_tx,
             metrics: metrics::Metrics::new()?,
-            long_polls: Arc::new(tokio::sync::Semaphore::new(http::MAX_LONG_POLLS)),
+            long_polls: Arc::new(tokio::sync::Semaphore::new(config.max_long_polls.max(1))),
+            verdicts: http::VerdictCache::default(),
         }))
     }
 }
