@@ -80,3 +80,73 @@ async fn without_a_kernel_log_it_says_so_once_and_still_reports() -> anyhow::Res
     assert_eq!(log.matches("kernel log unavailable").count(), 1, "said once:\n{log}");
     Ok(())
 }
+
+/// SPEC rule 5 with the node watchdog: prefill rank 1's WRITE failed because decode rank 1 was
+/// SIGKILLed; the watchdog certified the decode rank; the prefill group's verdict names the
+/// prefill rank as culprit and the decode rank, with the watchdog's reason, as its cause.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_record_naming_a_killed_decode_peer_gets_the_watchdogs_cause() -> anyhow::Result<()> {
+    use rootrank_agent::{Agent, AgentConfig};
+    use rootrank_core::{Origin, Peer};
+    use std::time::Duration;
+
+    let etcd = Etcd::start()?;
+    let ep = etcd.endpoint();
+    let coord = Coordinator::start(&ep, &[]).await?;
+    let watch = NodeWatch::start(&ep)?;
+    let mut decode = Rank::start(&ep, "decode-0", 1, 2, 30_000)?;
+    watch.wait_watching("decode-0", 1, decode.pid).await?;
+    let incarnation = decode.incarnation.clone();
+    decode.kill9();
+    wait_certificate(&ep, "decode-0", 1, &incarnation).await?;
+
+    let prefill = Agent::start(AgentConfig::new(vec![ep.clone()], "prefill-0", 1, 2)?)?;
+    let peer = Peer {
+        group: Some("decode-0".into()),
+        rank: Some(1),
+        agent: None,
+        endpoint: None,
+    };
+    prefill.record_failure(
+        88,
+        Origin::Local,
+        "nixl_error",
+        "NIXL_ERR_REMOTE_DISCONNECT",
+        Some(peer),
+    )?;
+    let p = std::sync::Arc::new(prefill);
+    let flusher = p.clone();
+    assert!(tokio::task::spawn_blocking(move || flusher.flush(Duration::from_secs(10))).await?);
+
+    let (status, v) = coord.get("/v1/rooms/88/verdict?group=prefill-0&wait_ms=20000").await?;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(
+        (&v["culprit"]["group"], &v["culprit"]["rank"]),
+        (&"prefill-0".into(), &1.into()),
+        "{v}"
+    );
+    assert_eq!(v["culprit"]["reason"], "nixl_error", "{v}");
+    let cause = &v["cause"];
+    assert_eq!(cause["group"], "decode-0", "{v}");
+    assert_eq!(cause["rank"], 1, "{v}");
+    assert_eq!(
+        cause["reason"],
+        "process_exit",
+        "{v}\nnode-watch log:\n{}",
+        watch.log_text()
+    );
+    assert_eq!(cause["source"], "down_certificate", "{v}");
+    assert_eq!(cause["incarnation"], incarnation.as_str(), "{v}");
+    assert!(
+        v["advice"].as_str().is_some_and(|a| a.contains("decode-0 rank 1")),
+        "{v}"
+    );
+    let (_, compact) = coord.get("/v1/rooms/88/verdict?group=prefill-0&view=compact").await?;
+    assert_eq!(
+        compact["cause"],
+        serde_json::json!({"group": "decode-0", "rank": 1, "reason": "process_exit"})
+    );
+    let closer = p.clone();
+    tokio::task::spawn_blocking(move || closer.shutdown(Duration::from_secs(5))).await?;
+    Ok(())
+}
