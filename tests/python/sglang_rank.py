@@ -56,32 +56,17 @@ def main() -> None:
     out_dir = os.path.dirname(os.path.abspath(args.out))
     with open(os.path.join(out_dir, f"pid{args.rank}"), "w") as f:
         f.write(str(os.getpid()))
-    # Exactly as run_scheduler_process: plugins first.
-    from sglang.srt.plugins import load_plugins
+    # Exactly as run_scheduler_process: plugins first (sglang_kit.scheduler_start).
+    import sglang_kit
 
-    load_plugins()
-
-    import numpy as np
+    server_args = sglang_kit.scheduler_start("prefill", args.model_dir, args.bootstrap_port,
+                                             world_rank=args.rank, tp_size=args.world)
     import torch.distributed as dist
-    from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
+    from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.disaggregation.common.conn import KVTransferError
     from sglang.srt.disaggregation.nixl.conn import NixlKVBootstrapServer, NixlKVManager, NixlKVSender
     from sglang.srt.disaggregation.utils import DisaggregationMode, poll_and_all_reduce
-    from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish
-    from sglang.srt.server_args import ServerArgs
 
-    server_args = ServerArgs(
-        model_path=args.model_dir,
-        disaggregation_mode="prefill",
-        disaggregation_transfer_backend="nixl",
-        disaggregation_bootstrap_port=args.bootstrap_port,
-        device="cpu",
-        skip_tokenizer_init=True,
-        host="127.0.0.1",
-        tp_size=args.world,
-    )
-    publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=args.rank, dp_rank=None, gpu_id=0))
-    get_parallel().override_permanently(pp_group=None)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{args.gloo_port}", rank=args.rank, world_size=args.world
     )
@@ -91,46 +76,7 @@ def main() -> None:
         server = NixlKVBootstrapServer("127.0.0.1", args.bootstrap_port)
     dist.barrier(group=gloo_group)
 
-    kv = np.zeros(4096, dtype=np.uint8)
-    aux = np.zeros(256, dtype=np.uint8)
-    kv_args = KVArgs()
-    kv_args.engine_rank = args.rank
-    kv_args.kv_data_ptrs = [kv.ctypes.data]
-    kv_args.kv_data_lens = [kv.nbytes]
-    kv_args.kv_item_lens = [64]
-    kv_args.kv_layer_ids = [0]
-    kv_args.kv_data_mem_kinds = ["DRAM"]
-    kv_args.kv_cache_dtype_str = "bfloat16"
-    kv_args.kv_layout = None
-    kv_args.aux_data_ptrs = [aux.ctypes.data]
-    kv_args.aux_data_lens = [aux.nbytes]
-    kv_args.aux_item_lens = [16]
-    kv_args.state_types = []
-    kv_args.state_data_ptrs = []
-    kv_args.state_data_lens = []
-    kv_args.state_item_lens = []
-    kv_args.state_layer_ids = []
-    kv_args.state_dim_per_tensor = []
-    kv_args.state_slice_outer_counts = []
-    kv_args.state_conv_shard_groups = []
-    kv_args.swa_kv_cache_layout = None
-    kv_args.is_hybrid_mla_backend = False
-    kv_args.ib_device = None
-    kv_args.gpu_id = 0
-    kv_args.kv_head_num = 1
-    kv_args.total_kv_head_num = args.world
-    kv_args.page_size = 1
-    kv_args.system_dp_rank = 0
-    kv_args.rust_http_port = None
-    kv_args.pp_rank = 0
-    kv_args.prefill_start_layer = 0
-    kv_args.prefill_end_layer = 1
-    kv_args.mla_compression_ratios = None
-    kv_args.kv_buf_groups = 1
-    kv_args.hidden_kv_layers = 1
-    kv_args.draft_kv_layers = 0
-    kv_args.num_draft_entries = 0
-
+    kv_args, _ = sglang_kit.kv_args(args.rank, 64, total_kv_heads=args.world)
     kv_mgr = NixlKVManager(kv_args, DisaggregationMode.PREFILL, server_args)
     sender = NixlKVSender(kv_mgr, f"127.0.0.1:{args.bootstrap_port}", args.room)
     result = {"rank": args.rank, "setup_s": round(time.monotonic() - t0, 2), "group_hint": None}

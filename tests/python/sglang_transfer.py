@@ -24,48 +24,15 @@ N_PAGES = 8
 
 
 def setup(role: str, args):
-    from sglang.srt.plugins import load_plugins
+    import sglang_kit
 
-    load_plugins()
-    from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish
-    from sglang.srt.server_args import ServerArgs
-
-    server_args = ServerArgs(
-        model_path=args.model_dir,
-        disaggregation_mode=role,
-        disaggregation_transfer_backend="nixl",
-        disaggregation_bootstrap_port=args.bootstrap_port,
-        device="cpu",
-        skip_tokenizer_init=True,
-        host="127.0.0.1",
-        port=args.port,
-    )
-    publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=0, dp_rank=None, gpu_id=0))
-    if role == "prefill":
-        get_parallel().override_permanently(pp_group=None)
-    return server_args
+    return sglang_kit.scheduler_start(role, args.model_dir, args.bootstrap_port, port=args.port)
 
 
 def kv_args_for(rank: int):
-    import numpy as np
-    from sglang.srt.disaggregation.base.conn import KVArgs
+    import sglang_kit
 
-    kv = np.zeros(N_PAGES * 64, dtype=np.uint8)
-    aux = np.zeros(4 * 16, dtype=np.uint8)
-    a = KVArgs()
-    a._buffers = (kv, aux)  # kept alive with the args
-    a.engine_rank = rank
-    a.kv_data_ptrs, a.kv_data_lens, a.kv_item_lens, a.kv_layer_ids = [kv.ctypes.data], [kv.nbytes], [64], [0]
-    a.kv_data_mem_kinds = ["DRAM"]
-    a.kv_cache_dtype_str, a.kv_layout = "bfloat16", None
-    a.aux_data_ptrs, a.aux_data_lens, a.aux_item_lens = [aux.ctypes.data], [aux.nbytes], [16]
-    a.state_types, a.state_data_ptrs, a.state_data_lens, a.state_item_lens = [], [], [], []
-    a.state_layer_ids, a.state_dim_per_tensor, a.state_slice_outer_counts, a.state_conv_shard_groups = [], [], [], []
-    a.swa_kv_cache_layout, a.is_hybrid_mla_backend, a.ib_device, a.gpu_id = None, False, None, 0
-    a.kv_head_num, a.total_kv_head_num, a.page_size, a.system_dp_rank = 1, 1, 1, 0
-    a.rust_http_port, a.pp_rank, a.prefill_start_layer, a.prefill_end_layer = None, 0, 0, 1
-    a.mla_compression_ratios, a.kv_buf_groups, a.hidden_kv_layers, a.draft_kv_layers, a.num_draft_entries = None, 1, 1, 0, 0
-    return a, kv
+    return sglang_kit.kv_args(rank, N_PAGES)
 
 
 def write(path: str, obj) -> None:
