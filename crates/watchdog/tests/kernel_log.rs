@@ -93,7 +93,8 @@ async fn unavailable_log_does_not_wait() {
     let log = KernelLog::unavailable();
     let t = Instant::now();
     assert!(log.wait_for_oom(1, t, Duration::from_secs(5)).await.is_none());
-    assert!(t.elapsed() < Duration::from_millis(5));
+    // Behaviour, not speed: it answered without waiting out its 5 s timeout.
+    assert!(t.elapsed() < Duration::from_secs(5) / 2, "{:?}", t.elapsed());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -267,7 +267,8 @@ async fn plain_sigkill_skips_the_oom_wait_when_the_cgroup_counter_is_still() {
     match &ev.cgroup_oom {
         Some(d) => {
             assert!(!d.killed(), "{d:?}");
-            assert!(took < Duration::from_millis(5), "no wait expected: {took:?}");
+            // The cgroup already said "no OOM": the kernel log's grace is not waited out.
+            assert!(took < rootrank_watchdog::OOM_LOG_GRACE, "no wait expected: {took:?}");
         }
         None if log.is_available() => {
             assert!(took >= rootrank_watchdog::OOM_LOG_GRACE, "{took:?}");

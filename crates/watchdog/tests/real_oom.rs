@@ -112,7 +112,9 @@ async fn real_memcg_oom_kill_is_classified_oom_host() {
         "{}",
         c.detail
     );
-    assert!(diag_took < Duration::from_millis(100), "{diag_took:?}");
+    // Bounded, not fast (the figure is `detection` in `make bench`): the line was there, so the
+    // diagnosis never waited out the kernel log's grace several times over.
+    assert!(diag_took < rootrank_watchdog::OOM_LOG_GRACE * 10, "{diag_took:?}");
 
     let status = child.wait().expect("reap");
     assert_eq!(ExitInfo::from(status), ExitInfo::signaled(9));
