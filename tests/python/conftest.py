@@ -89,14 +89,23 @@ def _json(body: bytes):
 
 class Coordinator:
     def __init__(self, etcd: Etcd, tmp: Path, *extra: str):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(tmp / f"coordinator-{self.port}.log", "w")
-        self.proc = subprocess.Popen(
-            [ROOTRANK_BIN, "serve", "--etcd-endpoints", etcd.url, "--listen", f"127.0.0.1:{self.port}", *extra],
-            stdout=self.log, stderr=subprocess.STDOUT,
-        )
-        wait_until(lambda: self.http("/readyz")[0] == 200, 20, "coordinator /readyz")
+        # A probed port can be taken before the bind: then the child exits and we retry; ready
+        # means this child is listening, never another test's coordinator on the same port.
+        for _ in range(5):
+            self.port = free_port()
+            self.url = f"http://127.0.0.1:{self.port}"
+            self.log_path = tmp / f"coordinator-{self.port}.log"
+            self.log = open(self.log_path, "w")
+            self.proc = subprocess.Popen(
+                [ROOTRANK_BIN, "serve", "--etcd-endpoints", etcd.url, "--listen", f"127.0.0.1:{self.port}", *extra],
+                stdout=self.log, stderr=subprocess.STDOUT,
+            )
+            ours = lambda: self.proc.poll() is None and "coordinator listening" in self.log_path.read_text()
+            wait_until(lambda: self.proc.poll() is not None or (ours() and self.http("/readyz")[0] == 200),
+                       20, "coordinator /readyz")
+            if self.proc.poll() is None:
+                return
+        raise AssertionError(f"coordinator did not start: {self.log_path.read_text()}")
 
     def http(self, path: str):
         try:

@@ -134,27 +134,42 @@ pub struct Coordinator {
 
 impl Coordinator {
     /// Starts a coordinator against `endpoint` and waits until `/readyz` says 200.
+    /// A free port can be taken by another test between the probe and the bind: then this
+    /// coordinator exits at once, and it is started again on a new port (never does a test
+    /// talk to another test's coordinator: ready means *this* child is listening).
     pub async fn start(endpoint: &str, extra: &[&str]) -> anyhow::Result<Coordinator> {
-        let port = free_port()?;
-        let logdir = tempfile::tempdir()?;
-        let mut args = vec![
-            "serve".to_string(),
-            "--etcd-endpoints".into(),
-            endpoint.to_string(),
-            "--listen".into(),
-            format!("127.0.0.1:{port}"),
-        ];
-        args.extend(extra.iter().map(|s| s.to_string()));
-        let mut c = Coordinator {
-            child: None,
-            url: format!("http://127.0.0.1:{port}"),
-            port,
-            args,
-            log: logdir.path().join("coordinator.log"),
-            _logdir: logdir,
-        };
-        c.spawn().await?;
-        Ok(c)
+        let mut last = None;
+        for _ in 0..5 {
+            let port = free_port()?;
+            let logdir = tempfile::tempdir()?;
+            let mut args = vec![
+                "serve".to_string(),
+                "--etcd-endpoints".into(),
+                endpoint.to_string(),
+                "--listen".into(),
+                format!("127.0.0.1:{port}"),
+            ];
+            args.extend(extra.iter().map(|s| s.to_string()));
+            let mut c = Coordinator {
+                child: None,
+                url: format!("http://127.0.0.1:{port}"),
+                port,
+                args,
+                log: logdir.path().join("coordinator.log"),
+                _logdir: logdir,
+            };
+            match c.spawn().await {
+                Ok(()) => return Ok(c),
+                Err(e) if c.exited() => last = Some(e), // lost the port race: try another
+                Err(e) => return Err(e),
+            }
+        }
+        Err(last.unwrap_or_else(|| anyhow::anyhow!("coordinator did not start")))
+    }
+
+    /// Whether the child has exited.
+    fn exited(&mut self) -> bool {
+        self.child.as_mut().is_none_or(|c| matches!(c.try_wait(), Ok(Some(_))))
     }
 
     async fn spawn(&mut self) -> anyhow::Result<()> {
@@ -171,7 +186,13 @@ impl Coordinator {
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
             if let Ok((200, _)) = get(&format!("{}/readyz", self.url)).await {
-                return Ok(());
+                // Someone answers on the port: make sure it is this child.
+                if !self.exited() && self.log_text().contains("coordinator listening") {
+                    return Ok(());
+                }
+            }
+            if self.exited() {
+                bail!("coordinator exited before it was ready; log:\n{}", self.log_text());
             }
             if Instant::now() > deadline {
                 bail!("coordinator not ready in 20 s; log:\n{}", self.log_text());
