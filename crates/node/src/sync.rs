@@ -137,26 +137,32 @@ async fn load(
     mut client: Client,
     tx: &mpsc::UnboundedSender<SyncMsg>,
 ) -> Result<i64, rootrank_store::etcd_client::Error> {
-    let (events, revision) = rootrank_store::snapshot(&mut client, &format!("{}/groups/", keys.prefix()), 0).await?;
+    // Page by page, keeping only live keys and certificate ids: room records (a million of
+    // them on a busy cluster) pass through one page at a time and are dropped, so a node
+    // watchdog's memory does not grow with the rooms of the whole fleet.
     let mut lives = Vec::new();
     let mut certified = HashSet::new();
-    for ev in events {
-        let rootrank_core::Event::Put {
-            key,
-            value,
-            lease,
-            revision,
-            ..
-        } = ev
-        else {
-            continue;
-        };
-        if let Some(l) = live_kv(keys, &key, &value, lease, revision) {
-            lives.push(l);
-        } else if let Some(id) = down_id(keys, &key) {
-            certified.insert(id);
+    let prefix = format!("{}/groups/", keys.prefix());
+    let revision = rootrank_store::snapshot_pages(&mut client, &prefix, 0, |page| {
+        for ev in page {
+            let rootrank_core::Event::Put {
+                key,
+                value,
+                lease,
+                revision,
+                ..
+            } = ev
+            else {
+                continue;
+            };
+            if let Some(l) = live_kv(keys, &key, &value, lease, revision) {
+                lives.push(l);
+            } else if let Some(id) = down_id(keys, &key) {
+                certified.insert(id);
+            }
         }
-    }
+    })
+    .await?;
     info!(
         revision,
         live = lives.len(),
