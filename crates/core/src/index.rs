@@ -335,13 +335,7 @@ impl Index {
         let resolved: Vec<RoomId> = self.rooms.iter().filter(|(_, e)| e.resolved).map(|(r, _)| *r).collect();
         self.root_causes.clear();
         for room in resolved {
-            let decision = self.decide(room, None, 0, 0);
-            let first = self
-                .rooms
-                .get(&room)
-                .and_then(|e| e.records.first())
-                .map_or(0, |r| r.revision);
-            let log_revision = self.decision_revision(&decision, room).max(first);
+            let log_revision = self.log_revision(room);
             if let Some(entry) = self.rooms.get_mut(&room) {
                 entry.root_cause_revision = Some(log_revision);
             }
@@ -799,8 +793,20 @@ impl Index {
         }
     }
 
+    /// A resolved room's place in the root-cause log: when it had both its first record and
+    /// its culprit (a function of etcd state, unlike when a coordinator happened to see it).
+    pub(crate) fn log_revision(&self, room: RoomId) -> i64 {
+        let first = self
+            .rooms
+            .get(&room)
+            .and_then(|e| e.records.first())
+            .map_or(0, |r| r.revision);
+        let decision = self.decide(room, None, 0, 0);
+        self.decision_revision(&decision, room).max(first)
+    }
+
     /// The revision of a decision's culprit (its record or its death).
-    pub(crate) fn decision_revision(&self, decision: &crate::verdict::Decision, room: RoomId) -> i64 {
+    fn decision_revision(&self, decision: &crate::verdict::Decision, room: RoomId) -> i64 {
         match decision {
             crate::verdict::Decision::Record { idx } => self
                 .rooms

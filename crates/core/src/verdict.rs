@@ -289,15 +289,10 @@ impl Index {
         deaths: &[(&(GroupId, Rank, Incarnation), &Death)],
         now_ms: i64,
     ) -> Decision {
-        // Records and deaths are each sorted by revision: the earlier of the two first ones is
-        // the earliest root cause (a tie, which one etcd transaction could make, goes to the
-        // record, which names the room).
+        // Records and deaths are each sorted by revision: the earlier first one is the culprit.
         let record = scope.records.iter().find(|(_, r)| r.origin == Origin::Local);
-        match (record, deaths.first()) {
-            (Some((idx, r)), Some((_, d))) if r.revision <= d.revision => return Decision::Record { idx: *idx },
-            (Some((idx, _)), None) => return Decision::Record { idx: *idx },
-            (_, Some((key, _))) => return Decision::Death { key: (*key).clone() },
-            (None, None) => {}
+        if let Some(d) = earliest(record.map(|(i, r)| (*i, *r)), deaths.first().map(|(k, d)| (*k, *d))) {
+            return d;
         }
         let until = scope.t0_ms + scope.pending_window_ms;
         if now_ms < until {
@@ -394,6 +389,20 @@ impl Index {
     }
 }
 
+/// Rule 1 between a first record and a first death: the lower revision; a tie (one etcd
+/// transaction could make one) goes to the record, which names the room.
+fn earliest(
+    record: Option<(usize, &RoomRecord)>,
+    death: Option<(&(GroupId, Rank, Incarnation), &Death)>,
+) -> Option<Decision> {
+    match (record, death) {
+        (Some((idx, r)), Some((_, d))) if r.revision <= d.revision => Some(Decision::Record { idx }),
+        (Some((idx, _)), None) => Some(Decision::Record { idx }),
+        (_, Some((key, _))) => Some(Decision::Death { key: key.clone() }),
+        (None, None) => None,
+    }
+}
+
 /// How many hops `cause` follows (SPEC rule 5).
 const CAUSE_HOPS: usize = 4;
 
@@ -440,13 +449,7 @@ impl Index {
             .filter(|((_, r, _), d)| *r == rank && !d.reason.is_shutdown() && d.at_ms >= lo && d.at_ms <= hi)
             .filter(|((g, r, inc), _)| !self.reregistered_before(g, *r, *inc, scope.first_revision))
             .min_by_key(|(_, d)| d.revision);
-        let decision = match (record, death) {
-            (Some((idx, r)), Some((_, d))) if r.revision <= d.revision => Decision::Record { idx },
-            (Some((idx, _)), None) => Decision::Record { idx },
-            (_, Some((key, _))) => Decision::Death { key: key.clone() },
-            (None, None) => return None,
-        };
-        decision.culprit(self, room)
+        earliest(record, death)?.culprit(self, room)
     }
 
     /// A record's peer as the verdict shows it: group and rank as written, or resolved from

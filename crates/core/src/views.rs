@@ -177,13 +177,7 @@ impl Index {
                 // The log's order key, from the culprit as it stands now (a room loaded from a
                 // snapshot taken between a vanished key and its certificate may have been
                 // placed by an earlier guess).
-                let first = self
-                    .rooms
-                    .get(room)
-                    .and_then(|e| e.records.first())
-                    .map_or(0, |r| r.revision);
-                let culprit = self.decide(*room, None, 0, 0);
-                let revision = self.decision_revision(&culprit, *room).max(first);
+                let revision = self.log_revision(*room);
                 Some(RootCause {
                     room: *room,
                     group: c.group,
