@@ -257,7 +257,7 @@ async fn supervise_inner(config: SuperviseConfig) -> Result<SupervisedExit, Node
     };
     let mut writer = CertWriter::new(config.endpoints.clone(), &config.prefix, config.retention);
     let written = writer
-        .write(&down, Instant::now().checked_add(config.report_timeout))
+        .write(&down, Some(rootrank_store::deadline_after(config.report_timeout)))
         .await;
     match written {
         Written::Yes => info!(incarnation = %known.incarnation, reason = %down.reason, "down certificate written"),
@@ -339,7 +339,7 @@ async fn lookup(etcd: &mut Etcd, key: &str, child: u32) -> Option<Known> {
 async fn discover(config: SuperviseConfig, pid: u32, shared: Shared) {
     let key = Keys::new(&config.prefix).live(&config.group, config.rank);
     let mut etcd = Etcd::new(config.endpoints.clone());
-    let deadline = Instant::now() + config.agent_grace;
+    let deadline = rootrank_store::deadline_after(config.agent_grace);
     loop {
         if let Some(k) = lookup(&mut etcd, &key, pid).await {
             info!(incarnation = %k.incarnation, rank_pid = k.pid, "the rank process registered itself");
@@ -457,7 +457,7 @@ async fn resolve_incarnation(config: &SuperviseConfig, pid: u32, shared: &Shared
     if before.is_some() {
         return before;
     }
-    let limit = Instant::now() + config.report_timeout;
+    let limit = rootrank_store::deadline_after(config.report_timeout);
     if have_agent {
         return register_for_child(config, pid, shared, &mut etcd, &key, Some(limit)).await;
     }
@@ -486,7 +486,7 @@ async fn mint_incarnation(config: &SuperviseConfig, pid: u32, etcd: &mut Etcd, l
             }
         }
         let pause = backoff.next_pause();
-        if Instant::now() + pause > limit {
+        if rootrank_store::deadline_after(pause) > limit {
             return None;
         }
         tokio::time::sleep(pause).await;

@@ -255,7 +255,7 @@ impl PdAgent {
     /// Loads `peer`'s NIXL metadata from etcd, waiting up to `within` for it to appear.
     /// Reloads it when the record changed since it was loaded (a restarted peer).
     pub fn connect_peer(&mut self, peer: &PeerRef, within: Duration) -> Result<(), PdError> {
-        let deadline = Instant::now() + within;
+        let deadline = rootrank_store::deadline_after(within);
         loop {
             match self.read_record(peer)? {
                 Some((record, rev)) => return self.load(peer, record, rev),

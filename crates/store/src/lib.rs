@@ -309,6 +309,15 @@ impl Backoff {
     }
 }
 
+/// `now + after`, saturating: a timeout too large for an `Instant` (a caller's `u64::MAX` ms,
+/// a Python `1e12` s) means "a century from now", never a panic in someone else's process.
+pub fn deadline_after(after: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(after)
+        .or_else(|| now.checked_add(Duration::from_secs(100 * 365 * 86_400)))
+        .unwrap_or(now)
+}
+
 /// 64 random bits from the OS (the keys std's `RandomState` draws from it), mixed with the pid
 /// and the wall clock: ranks in containers with equal pids, started together, still retry
 /// out of step.
@@ -336,6 +345,13 @@ mod tests {
     fn prefix_end_is_exclusive_upper_bound() {
         assert_eq!(prefix_end(b"/rootrank/v1/"), b"/rootrank/v10".to_vec());
         assert_eq!(prefix_end(b"a\xff"), b"b".to_vec());
+    }
+
+    #[test]
+    fn a_deadline_of_any_size_is_safe() {
+        assert!(deadline_after(Duration::MAX) > Instant::now() + Duration::from_secs(86_400));
+        assert!(deadline_after(Duration::from_secs(u64::MAX / 2)) > Instant::now());
+        assert!(deadline_after(Duration::ZERO) <= Instant::now());
     }
 
     #[test]
