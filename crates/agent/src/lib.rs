@@ -349,17 +349,16 @@ impl Drop for Agent {
     }
 }
 
-/// Waits for `rx` until `timeout` (any size: a deadline past what `Instant` can hold means
-/// "no deadline", never a panic).
+/// Waits for `rx` until `timeout` (any size: [`rootrank_store::deadline_after`] saturates).
 fn wait_oneshot(mut rx: oneshot::Receiver<()>, timeout: Duration) -> bool {
-    let deadline = std::time::Instant::now().checked_add(timeout);
+    let deadline = rootrank_store::deadline_after(timeout);
     loop {
         match rx.try_recv() {
             Ok(()) => return true,
             Err(oneshot::error::TryRecvError::Closed) => return false,
             Err(oneshot::error::TryRecvError::Empty) => {}
         }
-        if deadline.is_some_and(|d| std::time::Instant::now() >= d) {
+        if std::time::Instant::now() >= deadline {
             return false;
         }
         std::thread::sleep(Duration::from_millis(1));

@@ -232,7 +232,7 @@ async fn verdict(
     let mut revisions = shared.revision_tx.subscribe();
     let span = tracing::debug_span!("verdict", %room, group = group.as_ref().map(|g| g.as_str()), asking_rank);
     span.in_scope(|| tracing::debug!(wait_ms, min_revision, "verdict asked"));
-    let query = |group: &Option<GroupId>| VerdictQuery {
+    let query = || VerdictQuery {
         room,
         group: group.clone(),
         asked_at_ms,
@@ -245,8 +245,8 @@ async fn verdict(
             let current = min_revision.is_none_or(|m| index.revision() >= m);
             let now = Instant::now();
             // The wake check asks only for the status; the verdict is built once, at the end.
-            if current && (now >= deadline || index.verdict_status(&query(&group)) == Status::Resolved) {
-                let (status, body) = shared.verdicts.answer(&index, &query(&group), compact)?;
+            if current && (now >= deadline || index.verdict_status(&query()) == Status::Resolved) {
+                let (status, body) = shared.verdicts.answer(&index, &query(), compact)?;
                 drop(index);
                 shared.metrics.verdicts.with_label_values(&[status.as_str()]).inc();
                 return Ok(([(header::CONTENT_TYPE, "application/json")], body).into_response());

@@ -329,11 +329,9 @@ impl Index {
     /// Only the status of the answer: what a long poll checks on every new revision,
     /// without building the verdict's strings.
     pub fn verdict_status(&self, q: &VerdictQuery) -> Status {
-        match self.decide(q.room, q.group.as_ref(), q.asked_at_ms, q.now_ms) {
-            Decision::Record { .. } | Decision::Death { .. } => Status::Resolved,
-            Decision::Pending { .. } => Status::Pending,
-            Decision::Unknown => Status::Unknown,
-        }
+        self.decide(q.room, q.group.as_ref(), q.asked_at_ms, q.now_ms)
+            .status_action()
+            .0
     }
 
     /// Answers a verdict question (SPEC section 5).
@@ -366,12 +364,7 @@ impl Index {
         evidence.sort_by_key(|e| e.revision);
         let culprit = decision.culprit(self, q.room);
         let cause = culprit.as_ref().and_then(|c| self.cause(q.room, &scope, c));
-        let (status, action) = match &decision {
-            Decision::Record { .. } => (Status::Resolved, Action::Abort),
-            Decision::Death { .. } => (Status::Resolved, Action::AbortAndRestartGroup),
-            Decision::Pending { .. } => (Status::Pending, Action::Wait),
-            Decision::Unknown => (Status::Unknown, Action::Abort),
-        };
+        let (status, action) = decision.status_action();
         let explain = explain(&decision, culprit.as_ref(), &scope, q.room);
         let advice = culprit.as_ref().map(|c| advice(c, cause.as_ref()));
         Verdict {
@@ -485,6 +478,16 @@ impl Index {
 }
 
 impl Decision {
+    /// What the verdict says and asks for (rules 1, 3 and 4).
+    fn status_action(&self) -> (Status, Action) {
+        match self {
+            Decision::Record { .. } => (Status::Resolved, Action::Abort),
+            Decision::Death { .. } => (Status::Resolved, Action::AbortAndRestartGroup),
+            Decision::Pending { .. } => (Status::Pending, Action::Wait),
+            Decision::Unknown => (Status::Unknown, Action::Abort),
+        }
+    }
+
     /// Who and why, without building the culprit's strings.
     pub(crate) fn summary(&self, index: &Index, room: RoomId) -> Option<(GroupId, Rank, Reason, &'static str)> {
         match self {

@@ -183,6 +183,12 @@ impl PyAgent {
     fn current(&self) -> Option<Arc<Agent>> {
         self.agent.lock().ok().and_then(|a| a.clone())
     }
+
+    /// One of the agent's counters (kept after `shutdown`).
+    fn count(&self, counter: fn(&rootrank_agent::AgentStats) -> &std::sync::atomic::AtomicU64) -> u64 {
+        self.current()
+            .map_or(0, |a| counter(a.stats()).load(std::sync::atomic::Ordering::Relaxed))
+    }
 }
 
 #[pymethods]
@@ -379,23 +385,20 @@ impl PyAgent {
     /// Records dropped because the queue was full (etcd unreachable for long).
     #[getter]
     fn dropped(&self) -> u64 {
-        self.current()
-            .map_or(0, |a| a.stats().dropped.load(std::sync::atomic::Ordering::Relaxed))
+        self.count(|s| &s.dropped)
     }
 
     /// Records etcd refused for good (e.g. larger than its request limit), dropped so that
     /// the records behind them still go out.
     #[getter]
     fn rejected(&self) -> u64 {
-        self.current()
-            .map_or(0, |a| a.stats().rejected.load(std::sync::atomic::Ordering::Relaxed))
+        self.count(|s| &s.rejected)
     }
 
     /// Records and certificates written to etcd so far.
     #[getter]
     fn published(&self) -> u64 {
-        self.current()
-            .map_or(0, |a| a.stats().published.load(std::sync::atomic::Ordering::Relaxed))
+        self.count(|s| &s.published)
     }
 
     /// Whether :meth:`shutdown` was called.

@@ -215,7 +215,7 @@ impl RetainedWriter {
                 }
             }
             let pause = self.backoff.next_pause();
-            if deadline.is_some_and(|d| Instant::now().checked_add(pause).is_none_or(|t| t > d)) {
+            if deadline.is_some_and(|d| crate::deadline_after(pause) > d) {
                 return Written::GaveUp;
             }
             tokio::time::sleep(pause).await;
