@@ -57,6 +57,10 @@ pub struct AgentConfig {
     pub retention: Duration,
     /// Records waiting for etcd before new ones are dropped (default 10,000).
     pub queue_capacity: usize,
+    /// The most queued records written in one etcd transaction (default and maximum
+    /// [`rootrank_store::MAX_BATCH_RECORDS`]; 1 writes one record per request). Records are
+    /// batched only when more than one waits, so a lone record is never delayed.
+    pub max_batch: usize,
     pub pid: u32,
     pub host: Option<String>,
     pub nixl_agent: Option<String>,
@@ -81,6 +85,7 @@ impl AgentConfig {
             lease_ttl: Duration::from_secs(5),
             retention: Duration::from_secs(600),
             queue_capacity: 10_000,
+            max_batch: rootrank_store::MAX_BATCH_RECORDS,
             pid: std::process::id(),
             host: read_trimmed("/proc/sys/kernel/hostname"),
             nixl_agent: None,
@@ -103,6 +108,13 @@ impl AgentConfig {
         }
         if self.retention < Duration::from_secs(1) {
             return Err(AgentError::Config("retention must be at least 1 s".into()));
+        }
+        if self.max_batch == 0 || self.max_batch > rootrank_store::MAX_BATCH_RECORDS {
+            return Err(AgentError::Config(format!(
+                "max_batch {} outside 1..={}",
+                self.max_batch,
+                rootrank_store::MAX_BATCH_RECORDS
+            )));
         }
         if self.queue_capacity == 0 {
             return Err(AgentError::Config("queue_capacity must be at least 1".into()));

@@ -233,48 +233,33 @@ async fn publisher(
                 registered_revision: Some(registered_revision.load(Ordering::SeqCst)).filter(|r| *r > 0),
             }
         };
-    while let Some(cmd) = rx.recv().await {
+    // A command taken off the queue while gathering a batch, handled next.
+    let mut next: Option<Command> = None;
+    loop {
+        let cmd = match next.take() {
+            Some(cmd) => cmd,
+            None => match rx.recv().await {
+                Some(cmd) => cmd,
+                None => return,
+            },
+        };
         match cmd {
             Command::Failure(f) => {
-                let span = info_span!("room_failure", room = %f.room, origin = f.origin.as_str(), reason = %f.reason);
-                let rec = RoomFailure {
-                    v: SCHEMA_VERSION,
-                    group: config.group.clone(),
-                    rank: config.rank,
-                    room: f.room,
-                    origin: f.origin,
-                    reason: f.reason,
-                    detail: f.detail,
-                    at: Some(time::format_ms(f.at_ms)),
-                    incarnation: Incarnation::new(shared.incarnation.load(Ordering::SeqCst)).ok(),
-                    peer: f.peer,
-                };
-                let key = keys.room(&config.group, f.room, config.rank);
-                let value = match serde_json::to_vec(&rec) {
-                    Ok(v) => v,
-                    Err(e) => {
-                        shared.stats.rejected.fetch_add(1, Ordering::Relaxed);
-                        span.in_scope(|| warn!(error = %e, "room failure could not be encoded; dropped"));
-                        continue;
+                // Whatever else waits goes into the same transaction: a burst of failures costs
+                // etcd one request per batch, not per record. Order is kept: a batch stops at
+                // the first command that is not a failure.
+                let mut batch = vec![f];
+                while batch.len() < config.max_batch {
+                    match rx.try_recv() {
+                        Ok(Command::Failure(f)) => batch.push(f),
+                        Ok(other) => {
+                            next = Some(other);
+                            break;
+                        }
+                        Err(_) => break,
                     }
-                };
-                let written = writer
-                    .write(
-                        Retained::Record {
-                            key: &key,
-                            value: &value,
-                        },
-                        None,
-                    )
-                    .instrument(span.clone())
-                    .await;
-                if written == Written::Rejected {
-                    shared.stats.rejected.fetch_add(1, Ordering::Relaxed);
-                } else {
-                    shared.stats.published.fetch_add(1, Ordering::Relaxed);
                 }
-                shared.stats.retries.store(writer.retries(), Ordering::Relaxed);
-                span.in_scope(|| debug!(?written, "room failure published"));
+                publish_failures(&config, &keys, &shared, &mut writer, batch).await;
             }
             Command::Down {
                 reason,
@@ -338,6 +323,55 @@ async fn publisher(
             }
         }
     }
+}
+
+/// Writes a batch of room failures (in one transaction when there are several) and counts
+/// each outcome.
+async fn publish_failures(
+    config: &AgentConfig,
+    keys: &Keys,
+    shared: &Shared,
+    writer: &mut RetainedWriter,
+    batch: Vec<crate::PendingFailure>,
+) {
+    let incarnation = Incarnation::new(shared.incarnation.load(Ordering::SeqCst)).ok();
+    let mut encoded: Vec<(String, Vec<u8>, tracing::Span)> = Vec::with_capacity(batch.len());
+    for f in batch {
+        let span = info_span!("room_failure", room = %f.room, origin = f.origin.as_str(), reason = %f.reason);
+        let rec = RoomFailure {
+            v: SCHEMA_VERSION,
+            group: config.group.clone(),
+            rank: config.rank,
+            room: f.room,
+            origin: f.origin,
+            reason: f.reason,
+            detail: f.detail,
+            at: Some(time::format_ms(f.at_ms)),
+            incarnation,
+            peer: f.peer,
+        };
+        match serde_json::to_vec(&rec) {
+            Ok(value) => encoded.push((keys.room(&config.group, f.room, config.rank), value, span)),
+            Err(e) => {
+                shared.stats.rejected.fetch_add(1, Ordering::Relaxed);
+                span.in_scope(|| warn!(error = %e, "room failure could not be encoded; dropped"));
+            }
+        }
+    }
+    let records: Vec<(&str, &[u8])> = encoded.iter().map(|(k, v, _)| (k.as_str(), v.as_slice())).collect();
+    let outcomes = writer
+        .write_records(&records, None)
+        .instrument(info_span!("room_failures", records = records.len()))
+        .await;
+    for ((_, _, span), written) in encoded.iter().zip(outcomes) {
+        if written == Written::Rejected {
+            shared.stats.rejected.fetch_add(1, Ordering::Relaxed);
+        } else {
+            shared.stats.published.fetch_add(1, Ordering::Relaxed);
+        }
+        span.in_scope(|| debug!(?written, "room failure published"));
+    }
+    shared.stats.retries.store(writer.retries(), Ordering::Relaxed);
 }
 
 async fn wait_incarnation(shared: &Shared) -> Incarnation {

@@ -21,6 +21,8 @@ pub struct IngestCfg {
     pub duration: Duration,
     /// Lag probes per second during each stage.
     pub probe_rate: f64,
+    /// The agents' `max_batch` (1: one put per record).
+    pub max_batch: usize,
 }
 
 impl IngestCfg {
@@ -30,6 +32,7 @@ impl IngestCfg {
             rates: vec![500, 1_000, 2_000, 5_000, 10_000, 20_000],
             duration: Duration::from_secs(6),
             probe_rate: 50.0,
+            max_batch: rootrank_store::MAX_BATCH_RECORDS,
         }
     }
     pub fn smoke() -> Self {
@@ -38,92 +41,169 @@ impl IngestCfg {
             rates: vec![200],
             duration: Duration::from_secs(1),
             probe_rate: 20.0,
+            max_batch: rootrank_store::MAX_BATCH_RECORDS,
         }
     }
 }
 
 const PREFIX: &str = crate::verdicts::PREFIX;
-const RANKS: usize = 8;
+pub(crate) const RANKS: usize = 8;
 
 pub async fn run(env: &Env, cfg: &IngestCfg) -> anyhow::Result<Value> {
     let dir = env.subdir("ingest")?;
     let etcd = procs::start_etcd(&dir, &[])?;
     let endpoint = etcd.endpoint();
-    let etcd_pid = procs::etcd_pid(&etcd)?;
     let coord = Coordinator::start(env, &endpoint, PREFIX, Duration::from_secs(30)).await?;
+    let rig = Rig::new(&coord, procs::etcd_pid(&etcd)?, &endpoint).await?;
     let groups = cfg.agents.div_ceil(RANKS).max(1);
-    let agents = tokio::task::spawn_blocking({
-        let endpoint = endpoint.clone();
-        let n = cfg.agents.max(1);
-        move || start_agents(&endpoint, n)
-    })
-    .await??;
-    let agents = Arc::new(agents);
-    let mut probe_client = rootrank_store::connect(std::slice::from_ref(&endpoint)).await?;
-    let probe_lease = probe_client.lease_grant(3600, None).await?.id();
-    let http = crate::util::http_client(Duration::from_secs(10))?;
-    let me = std::process::id();
-    let pids = [coord.pid, etcd_pid, me];
+    let agents = start_agents(&endpoint, cfg.agents.max(1), "ingest", cfg.max_batch).await?;
     let mut stages = Vec::new();
-    for (stage, &rate) in cfg.rates.iter().enumerate() {
-        let published_before = published(&agents);
-        let mark = CpuMark::take(&pids);
-        let started = Instant::now();
-        // The driver paces record_failure calls on an OS thread, as ranks' own threads would.
-        let driver = {
-            let agents = agents.clone();
-            let duration = cfg.duration;
-            std::thread::spawn(move || drive(&agents, groups, rate, duration, 100 + stage as u64))
-        };
-        let probes = probe_stage(
-            &coord.url,
-            &http,
-            &probe_client,
-            probe_lease,
-            cfg.probe_rate,
+    for (stage_no, &rate) in cfg.rates.iter().enumerate() {
+        let st = stage(
+            &rig,
+            &agents,
+            groups,
+            rate,
             cfg.duration,
-            5_000 + stage as u64,
+            cfg.probe_rate,
+            stage_no as u64,
         )
-        .await;
-        let (enqueued, dropped) = tokio::task::spawn_blocking(move || driver.join())
-            .await?
-            .map_err(|_| anyhow::anyhow!("driver thread panicked"))?;
-        let sent_s = started.elapsed().as_secs_f64();
-        // Drain: wait (bounded) until the agents have written everything they accepted.
-        let drain_deadline = Instant::now() + Duration::from_secs(30);
-        while published(&agents) - published_before < enqueued && Instant::now() < drain_deadline {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-        let written = published(&agents) - published_before;
-        let (cpu, wall) = mark.since(&pids);
-        let (lag_ack, lag_sent, put_lat, probe_failures) = probes?;
-        let achieved = written as f64 / wall;
-        let per = |c: f64| if written > 0 { c * 1e6 / written as f64 } else { 0.0 };
-        let saturated = achieved < 0.9 * rate as f64 || dropped > 0 || wall > sent_s + 2.0;
-        stages.push(json!({
-            "offered_rate": rate,
-            "enqueued": enqueued,
-            "dropped_queue_full": dropped,
-            "written": written,
-            "wall_s": wall,
-            "drain_s": wall - sent_s,
-            "achieved_rate": achieved,
-            "saturated": saturated,
-            "lag_commit_to_visible": lag_ack,
-            "lag_send_to_visible": lag_sent,
-            "probe_put_latency": put_lat,
-            "probe_failures": probe_failures,
-            "cpu": {
-                "coordinator_s": cpu[0], "etcd_s": cpu[1], "bench_and_agents_s": cpu[2],
-                "coordinator_cores": cpu[0] / wall, "etcd_cores": cpu[1] / wall, "bench_and_agents_cores": cpu[2] / wall,
-                "coordinator_us_per_record": per(cpu[0]), "etcd_us_per_record": per(cpu[1]),
-                "bench_and_agents_us_per_record": per(cpu[2]),
-            },
-        }));
+        .await?;
+        let saturated = st["saturated"].as_bool().unwrap_or(true);
+        stages.push(st);
         if saturated {
             break;
         }
     }
+    stop_agents(agents).await?;
+    Ok(json!({
+        "setup": {
+            "agents": cfg.agents, "groups": groups, "ranks_per_group": RANKS, "stage_s": cfg.duration.as_secs_f64(),
+            "records_per_room": RANKS, "probe_rate_per_s": cfg.probe_rate, "max_batch": cfg.max_batch,
+            "how": "agents (Agent::start, one thread + etcd connection each) in the bench process; each room gets 1 local + 7 propagated records from one group's ranks; probes: a long-poll verdict (wait_ms) is opened, then the probe's record is written with create-if-absent; lag = verdict answer - put response (commit acknowledged), clamped at 0",
+        },
+        "stages": stages,
+    }))
+}
+
+/// What a stage measures against: the coordinator, the probe's own etcd client, and the
+/// processes whose CPU is counted (coordinator, etcd, this process).
+pub(crate) struct Rig {
+    url: String,
+    http: reqwest::Client,
+    probe_client: rootrank_store::etcd_client::Client,
+    probe_lease: i64,
+    pids: [u32; 3],
+}
+
+impl Rig {
+    pub(crate) async fn new(coord: &Coordinator, etcd_pid: u32, endpoint: &str) -> anyhow::Result<Rig> {
+        let mut probe_client = rootrank_store::connect(&[endpoint.to_string()]).await?;
+        let probe_lease = probe_client.lease_grant(3600, None).await?.id();
+        Ok(Rig {
+            url: coord.url.clone(),
+            http: crate::util::http_client(Duration::from_secs(10))?,
+            probe_client,
+            probe_lease,
+            pids: [coord.pid, etcd_pid, std::process::id()],
+        })
+    }
+}
+
+/// One stage: `rate` records/s offered for `duration` over `agents` (RANKS per group), with
+/// lag probes; then drained. `salt` keeps each stage's rooms apart.
+pub(crate) async fn stage(
+    rig: &Rig,
+    agents: &Arc<Vec<Agent>>,
+    groups: usize,
+    rate: u64,
+    duration: Duration,
+    probe_rate: f64,
+    salt: u64,
+) -> anyhow::Result<Value> {
+    let published_before = published(agents);
+    let mark = CpuMark::take(&rig.pids);
+    let started = Instant::now();
+    // The driver paces record_failure calls on an OS thread, as ranks' own threads would.
+    let driver = {
+        let agents = agents.clone();
+        std::thread::spawn(move || drive(&agents, groups, rate, duration, 100 + salt))
+    };
+    let probes = probe_stage(
+        &rig.url,
+        &rig.http,
+        &rig.probe_client,
+        rig.probe_lease,
+        probe_rate,
+        duration,
+        5_000 + salt,
+    )
+    .await;
+    let (enqueued, dropped) = tokio::task::spawn_blocking(move || driver.join())
+        .await?
+        .map_err(|_| anyhow::anyhow!("driver thread panicked"))?;
+    let sent_s = started.elapsed().as_secs_f64();
+    // Drain: wait (bounded) until the agents have written everything they accepted.
+    let drain_deadline = Instant::now() + Duration::from_secs(30);
+    while published(agents) - published_before < enqueued && Instant::now() < drain_deadline {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let written = published(agents) - published_before;
+    let (cpu, wall) = mark.since(&rig.pids);
+    let (lag_ack, lag_sent, put_lat, probe_failures) = probes?;
+    let achieved = written as f64 / wall;
+    let per = |c: f64| if written > 0 { c * 1e6 / written as f64 } else { 0.0 };
+    let saturated = achieved < 0.9 * rate as f64 || dropped > 0 || wall > sent_s + 2.0;
+    Ok(json!({
+        "offered_rate": rate,
+        "enqueued": enqueued,
+        "dropped_queue_full": dropped,
+        "written": written,
+        "wall_s": wall,
+        "drain_s": wall - sent_s,
+        "achieved_rate": achieved,
+        "saturated": saturated,
+        "lag_commit_to_visible": lag_ack,
+        "lag_send_to_visible": lag_sent,
+        "probe_put_latency": put_lat,
+        "probe_failures": probe_failures,
+        "cpu": {
+            "coordinator_s": cpu[0], "etcd_s": cpu[1], "bench_and_agents_s": cpu[2],
+            "coordinator_cores": cpu[0] / wall, "etcd_cores": cpu[1] / wall, "bench_and_agents_cores": cpu[2] / wall,
+            "coordinator_us_per_record": per(cpu[0]), "etcd_us_per_record": per(cpu[1]),
+            "bench_and_agents_us_per_record": per(cpu[2]),
+        },
+    }))
+}
+
+/// `n` agents in groups `{group_prefix}-{i / RANKS}`, registered.
+pub(crate) async fn start_agents(
+    endpoint: &str,
+    n: usize,
+    group_prefix: &str,
+    max_batch: usize,
+) -> anyhow::Result<Arc<Vec<Agent>>> {
+    let (endpoint, group_prefix) = (endpoint.to_string(), group_prefix.to_string());
+    let agents = tokio::task::spawn_blocking(move || -> anyhow::Result<Vec<Agent>> {
+        let mut agents = Vec::with_capacity(n);
+        for i in 0..n {
+            let group = format!("{group_prefix}-{}", i / RANKS);
+            let mut cfg = AgentConfig::new(vec![endpoint.clone()], &group, (i % RANKS) as u64, RANKS as u64)?;
+            cfg.queue_capacity = 100_000;
+            cfg.max_batch = max_batch;
+            agents.push(Agent::start(cfg)?);
+        }
+        for a in &agents {
+            a.wait_registered(Duration::from_secs(30))
+                .context("an agent did not register in 30 s")?;
+        }
+        Ok(agents)
+    })
+    .await??;
+    Ok(Arc::new(agents))
+}
+
+pub(crate) async fn stop_agents(agents: Arc<Vec<Agent>>) -> anyhow::Result<()> {
     let agents = Arc::try_unwrap(agents).map_err(|_| anyhow::anyhow!("agents still shared"))?;
     tokio::task::spawn_blocking(move || {
         for a in agents {
@@ -131,32 +211,10 @@ pub async fn run(env: &Env, cfg: &IngestCfg) -> anyhow::Result<Value> {
         }
     })
     .await?;
-    Ok(json!({
-        "setup": {
-            "agents": cfg.agents, "groups": groups, "ranks_per_group": RANKS, "stage_s": cfg.duration.as_secs_f64(),
-            "records_per_room": RANKS, "probe_rate_per_s": cfg.probe_rate,
-            "how": "agents (Agent::start, one thread + etcd connection each) in the bench process; each room gets 1 local + 7 propagated records from one group's ranks; probes: a long-poll verdict (wait_ms) is opened, then the probe's record is written with create-if-absent; lag = verdict answer - put response (commit acknowledged), clamped at 0",
-        },
-        "stages": stages,
-    }))
+    Ok(())
 }
 
-fn start_agents(endpoint: &str, n: usize) -> anyhow::Result<Vec<Agent>> {
-    let mut agents = Vec::with_capacity(n);
-    for i in 0..n {
-        let group = format!("ingest-{}", i / RANKS);
-        let mut cfg = AgentConfig::new(vec![endpoint.to_string()], &group, (i % RANKS) as u64, RANKS as u64)?;
-        cfg.queue_capacity = 100_000;
-        agents.push(Agent::start(cfg)?);
-    }
-    for a in &agents {
-        a.wait_registered(Duration::from_secs(30))
-            .context("an agent did not register in 30 s")?;
-    }
-    Ok(agents)
-}
-
-fn published(agents: &[Agent]) -> u64 {
+pub(crate) fn published(agents: &[Agent]) -> u64 {
     agents.iter().map(|a| a.stats().published.load(Ordering::Relaxed)).sum()
 }
 

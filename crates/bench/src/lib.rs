@@ -1,6 +1,6 @@
 //! rootrank's benchmark suite: rootrank against its alternatives and its limits, side by side.
 //!
-//! Five parts, each runnable alone (`rootrank-bench verdicts --conns 16 --duration 5s`, ...)
+//! Seven parts, each runnable alone (`rootrank-bench verdicts --conns 16 --duration 5s`, ...)
 //! or all together (`rootrank-bench all`, which `make bench` runs):
 //!
 //! 1. [`verdicts`]: verdict lookups over HTTP (wrk) vs the same server's `/healthz` (the HTTP
@@ -9,14 +9,18 @@
 //! 3. [`detection`]: SIGKILL to resolved verdict, lease only (5 s and 1 s TTL), watchdog if any.
 //! 4. [`scale`]: 32,000 live leases and a million records: memory, load time, latency, keepalives.
 //! 5. [`agent_cost`]: what `record_failure` costs the caller, next to a 64 KiB NIXL WRITE.
+//! 6. [`burst`]: a rank fails 500 rooms at once: records batched vs one put each, to verdicts.
+//! 7. [`keepalive`]: ranks one etcd core keeps alive at 5 s and 30 s lease TTLs.
 //!
 //! Every figure goes into one JSON file with the machine's facts and the git revision; a
 //! Markdown table and an SVG of the latency distributions are made from it ([`report`]).
 
 pub mod agent_cost;
 pub mod alloc;
+pub mod burst;
 pub mod detection;
 pub mod ingest;
+pub mod keepalive;
 pub mod load;
 pub mod procs;
 pub mod report;
@@ -39,6 +43,8 @@ pub struct Suite {
     pub detection: Option<detection::DetectionCfg>,
     pub scale: Option<scale::ScaleCfg>,
     pub agent: Option<agent_cost::AgentCfg>,
+    pub burst: Option<burst::BurstCfg>,
+    pub keepalive: Option<keepalive::KeepaliveCfg>,
 }
 
 impl Suite {
@@ -49,6 +55,8 @@ impl Suite {
             detection: Some(detection::DetectionCfg::full()),
             scale: Some(scale::ScaleCfg::full()),
             agent: Some(agent_cost::AgentCfg::full()),
+            burst: Some(burst::BurstCfg::full()),
+            keepalive: Some(keepalive::KeepaliveCfg::full()),
         }
     }
     /// Tiny sizes, seconds long: for `cargo test` and `make bench-smoke`.
@@ -59,6 +67,8 @@ impl Suite {
             detection: Some(detection::DetectionCfg::smoke()),
             scale: Some(scale::ScaleCfg::smoke()),
             agent: Some(agent_cost::AgentCfg::smoke()),
+            burst: Some(burst::BurstCfg::smoke()),
+            keepalive: Some(keepalive::KeepaliveCfg::smoke()),
         }
     }
 }
@@ -90,6 +100,8 @@ pub async fn run(env: &Env, suite: &Suite, mode: &str) -> Value {
     part!("detection", suite.detection, detection::run);
     part!("scale", suite.scale, scale::run);
     part!("agent", suite.agent, agent_cost::run);
+    part!("burst", suite.burst, burst::run);
+    part!("keepalive", suite.keepalive, keepalive::run);
     let mut results = json!({
         "schema": "rootrank-bench/1",
         "mode": mode,

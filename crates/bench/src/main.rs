@@ -6,7 +6,9 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
-use rootrank_bench::{agent_cost, detection, ingest, scale, util::parse_duration, verdicts, Env, Suite};
+use rootrank_bench::{
+    agent_cost, burst, detection, ingest, keepalive, scale, util::parse_duration, verdicts, Env, Suite,
+};
 
 // Counts allocations only while the core-index measurement turns it on (see alloc.rs).
 #[global_allocator]
@@ -68,6 +70,9 @@ enum Cmd {
         duration: String,
         #[arg(long, default_value_t = 50.0)]
         probe_rate: f64,
+        /// The agents' max_batch (1: one put per record, as before batching).
+        #[arg(long, default_value_t = rootrank_store::MAX_BATCH_RECORDS)]
+        max_batch: usize,
         #[command(flatten)]
         out: Out,
     },
@@ -111,6 +116,31 @@ enum Cmd {
         no_nixl: bool,
         #[arg(long, default_value_t = 1.0)]
         nixl_scale: f64,
+        #[command(flatten)]
+        out: Out,
+    },
+    /// 6. Burst: one rank fails every room in flight; batched vs one put per record.
+    Burst {
+        #[arg(long, default_value_t = 500)]
+        rooms: usize,
+        #[arg(long, default_value_t = 5)]
+        bursts: usize,
+        /// The sustained stage's offered records/s.
+        #[arg(long, default_value_t = 5_000)]
+        rate: u64,
+        #[arg(long, default_value_t = 32)]
+        agents: usize,
+        #[arg(long, default_value = "6s")]
+        duration: String,
+        #[command(flatten)]
+        out: Out,
+    },
+    /// 7. Keepalives: ranks per etcd core at given lease TTLs (TTL_S:LEASES,...).
+    Keepalive {
+        #[arg(long, value_delimiter = ',', default_value = "5:6000,30:36000")]
+        variants: Vec<String>,
+        #[arg(long, default_value = "10s")]
+        window: String,
         #[command(flatten)]
         out: Out,
     },
@@ -217,6 +247,7 @@ fn real_main() -> anyhow::Result<ExitCode> {
             rates,
             duration,
             probe_rate,
+            max_batch,
             out,
         } => (
             Suite {
@@ -225,6 +256,7 @@ fn real_main() -> anyhow::Result<ExitCode> {
                     rates,
                     duration: parse_duration(&duration)?,
                     probe_rate,
+                    max_batch,
                 }),
                 ..Suite::default()
             },
@@ -274,6 +306,47 @@ fn real_main() -> anyhow::Result<ExitCode> {
             },
             "scale",
             out.out.unwrap_or_else(|| PathBuf::from("bench-results/scale")),
+        ),
+        Cmd::Burst {
+            rooms,
+            bursts,
+            rate,
+            agents,
+            duration,
+            out,
+        } => (
+            Suite {
+                burst: Some(burst::BurstCfg {
+                    rooms,
+                    bursts,
+                    rate,
+                    agents,
+                    duration: parse_duration(&duration)?,
+                    probe_rate: 50.0,
+                }),
+                ..Suite::default()
+            },
+            "burst",
+            out.out.unwrap_or_else(|| PathBuf::from("bench-results/burst")),
+        ),
+        Cmd::Keepalive { variants, window, out } => (
+            Suite {
+                keepalive: Some(keepalive::KeepaliveCfg {
+                    variants: variants
+                        .iter()
+                        .map(|v| {
+                            let (t, n) = v
+                                .split_once(':')
+                                .with_context(|| format!("variant {v:?}: TTL_S:LEASES"))?;
+                            Ok((t.parse()?, n.parse()?))
+                        })
+                        .collect::<anyhow::Result<_>>()?,
+                    min_window: parse_duration(&window)?,
+                }),
+                ..Suite::default()
+            },
+            "keepalive",
+            out.out.unwrap_or_else(|| PathBuf::from("bench-results/keepalive")),
         ),
         Cmd::Agent {
             calls,

@@ -39,14 +39,21 @@ impl Env {
 
 /// Starts a private etcd in `dir` with extra flags; retried because free ports can race.
 pub fn start_etcd(dir: &Path, extra_args: &[String]) -> anyhow::Result<EmbeddedEtcd> {
+    start_etcd_with(
+        dir,
+        &EtcdOptions {
+            extra_args: extra_args.to_vec(),
+            ..EtcdOptions::default()
+        },
+    )
+}
+
+/// [`start_etcd`] with any options (e.g. etcd's production timing, `fast: false`).
+pub fn start_etcd_with(dir: &Path, opts: &EtcdOptions) -> anyhow::Result<EmbeddedEtcd> {
     let mut last = None;
     for attempt in 0..5 {
         let d = dir.join(format!("etcd{attempt}"));
-        let opts = EtcdOptions {
-            extra_args: extra_args.to_vec(),
-            ..EtcdOptions::default()
-        };
-        match EmbeddedEtcd::start(&d, &opts) {
+        match EmbeddedEtcd::start(&d, opts) {
             Ok(e) => return Ok(e),
             Err(e) => last = Some(e),
         }

@@ -126,6 +126,19 @@ pub fn goals(results: &Value) -> Vec<Value> {
         f(&c["start_to_ready_s"]),
         "s",
     ));
+    let batched = &s["burst"]["modes"]["batched"];
+    out.push(at_most(
+        "burst: commit-to-visible lag p99 at 5,000 records/s offered, batched",
+        10.0,
+        f(&batched["sustained"]["lag_commit_to_visible"]["p99_us"]) / 1e3,
+        "ms",
+    ));
+    out.push(at_most(
+        "burst: last enqueue to the last of 500 rooms resolved, batched",
+        100.0,
+        f(&batched["median"]["last_enqueue_to_last_resolved_ms"]),
+        "ms",
+    ));
     out.push(at_most(
         "record_failure on the caller's thread (mean, queue with room)",
         1000.0,
@@ -473,6 +486,56 @@ pub fn markdown(results: &Value) -> String {
                 m,
                 "| NIXL 64 KiB WRITE | not available: {} | | | | |",
                 n["reason"].as_str().unwrap_or("")
+            );
+        }
+    }
+    let b = &s["burst"];
+    if b.is_object() {
+        let _ = writeln!(
+            m,
+            "\n## 6. Burst (one rank fails {} rooms at once; {} records per burst)\n\nMedians over {} bursts per mode; the sustained stage offers {} records/s from {} agents.\n\n| mode | first record to last room resolved ms | last enqueue to last resolved ms | all written ms | etcd us/record | coordinator us/record | sustained achieved/s | lag p50 | lag p99 | etcd us/record (sustained) |\n|---|---|---|---|---|---|---|---|---|---|",
+            b["setup"]["rooms"], b["setup"]["records_per_burst"], b["setup"]["bursts_per_mode"],
+            b["setup"]["sustained_rate"], b["setup"]["sustained_agents"]
+        );
+        for mode in ["single", "batched"] {
+            let x = &b["modes"][mode];
+            let (md, st) = (&x["median"], &x["sustained"]);
+            let _ = writeln!(
+                m,
+                "| {mode} (max_batch {}) | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                x["max_batch"],
+                num(&md["first_record_to_last_resolved_ms"], 1),
+                num(&md["last_enqueue_to_last_resolved_ms"], 1),
+                num(&md["first_record_to_all_written_ms"], 1),
+                num(&md["etcd_us_per_record"], 1),
+                num(&md["coordinator_us_per_record"], 1),
+                num(&st["achieved_rate"], 0),
+                us(&st["lag_commit_to_visible"]["p50_us"]),
+                us(&st["lag_commit_to_visible"]["p99_us"]),
+                num(&st["cpu"]["etcd_us_per_record"], 1)
+            );
+        }
+    }
+    let k = &s["keepalive"];
+    if k.is_object() {
+        let _ = writeln!(
+            m,
+            "\n## 7. Keepalives ({})\n\n| lease TTL | keepalive every | leases | keepalives/s | etcd cores | etcd us/keepalive | ranks per etcd core | failed | expired |\n|---|---|---|---|---|---|---|---|---|",
+            k["setup"]["etcd"].as_str().unwrap_or("")
+        );
+        for v in k["variants"].as_array().into_iter().flatten() {
+            let _ = writeln!(
+                m,
+                "| {} s | {} ms | {} | {} | {} | {} | {} | {} | {} |",
+                v["lease_ttl_s"],
+                v["keepalive_interval_ms"],
+                v["leases"],
+                num(&v["keepalives_per_s"], 0),
+                num(&v["etcd_cores"], 3),
+                num(&v["etcd_us_per_keepalive"], 1),
+                num(&v["ranks_per_etcd_core"], 0),
+                v["failed"],
+                v["expired"]
             );
         }
     }

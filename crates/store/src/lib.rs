@@ -81,6 +81,83 @@ pub async fn create_if_absent(
     Ok(client.txn(txn).await?.succeeded())
 }
 
+/// The most records one batch transaction carries: etcd's default `--max-txn-ops` (128), the
+/// most operations it takes in each of a transaction's three lists. Against an etcd set lower,
+/// [`RetainedWriter::write_records`] splits the batches etcd refuses.
+pub const MAX_BATCH_RECORDS: usize = 128;
+
+/// The most value bytes one batch transaction carries: far below etcd's default 1.5 MiB request
+/// limit, so a batch of records at the 4 KiB detail cap always fits.
+pub const MAX_BATCH_BYTES: usize = 512 * 1024;
+
+/// [`create_if_absent`] for many keys in as few transactions as the keys allow: one, unless a
+/// key already exists. Returns, per input, whether it was written; the same key twice counts
+/// as one write (the first value wins, as two single writes would have it).
+///
+/// Each round sends one transaction that creates every pending key if none exists, and
+/// otherwise reads which exist; those are dropped and the rest tried again. A round that
+/// fails names at least one existing key, so this ends within `records.len() + 1` rounds.
+/// Callers keep a batch within [`MAX_BATCH_RECORDS`] and [`MAX_BATCH_BYTES`].
+pub async fn create_all_if_absent(
+    client: &mut Client,
+    records: &[(&str, &[u8])],
+    lease: Option<i64>,
+) -> Result<Vec<bool>, etcd_client::Error> {
+    let mut written = vec![false; records.len()];
+    // etcd refuses a transaction that names one key twice.
+    let mut seen = std::collections::HashSet::new();
+    let mut pending: Vec<usize> = (0..records.len()).filter(|&i| seen.insert(records[i].0)).collect();
+    while !pending.is_empty() {
+        let opts = lease.map(|l| PutOptions::new().with_lease(l));
+        let txn = Txn::new()
+            .when(
+                pending
+                    .iter()
+                    .map(|&i| Compare::create_revision(records[i].0, CompareOp::Equal, 0))
+                    .collect::<Vec<_>>(),
+            )
+            .and_then(
+                pending
+                    .iter()
+                    .map(|&i| TxnOp::put(records[i].0, records[i].1.to_vec(), opts.clone()))
+                    .collect::<Vec<_>>(),
+            )
+            .or_else(
+                pending
+                    .iter()
+                    .map(|&i| TxnOp::get(records[i].0, Some(GetOptions::new().with_count_only())))
+                    .collect::<Vec<_>>(),
+            );
+        let resp = client.txn(txn).await?;
+        if resp.succeeded() {
+            for &i in &pending {
+                written[i] = true;
+            }
+            break;
+        }
+        let exists: Vec<bool> = resp
+            .op_responses()
+            .iter()
+            .map(|r| matches!(r, etcd_client::TxnOpResponse::Get(g) if g.count() > 0))
+            .collect();
+        let before = pending.len();
+        pending = pending
+            .into_iter()
+            .zip(exists.iter().copied().chain(std::iter::repeat(false)))
+            .filter_map(|(i, e)| (!e).then_some(i))
+            .collect();
+        if pending.len() == before {
+            // Not possible from a conforming etcd (the compare failed, so some key exists);
+            // finish one key at a time rather than loop.
+            for &i in &pending {
+                written[i] = create_if_absent(client, records[i].0, records[i].1.to_vec(), lease).await?;
+            }
+            break;
+        }
+    }
+    Ok(written)
+}
+
 /// Writes a down certificate: created if absent, or written over a `source: coordinator` one
 /// (a coordinator only knows that a lease expired; any other writer knows more). The
 /// coordinator's `observed_revision` is kept so the death's order stays what it was.

@@ -183,6 +183,104 @@ impl RetainedWriter {
         })
     }
 
+    async fn attempt_records(&mut self, records: &[(&str, &[u8])]) -> Result<Vec<bool>, WriteError> {
+        let c = self
+            .etcd
+            .client()
+            .await
+            .map_err(|e| WriteError::Transient(e.to_string()))?;
+        let lease = self
+            .retention
+            .lease(c)
+            .await
+            .map_err(|e| WriteError::Transient(e.to_string()))?;
+        crate::create_all_if_absent(c, records, Some(lease)).await.map_err(|e| {
+            if crate::is_lease_not_found(&e) {
+                self.retention.invalidate();
+            }
+            WriteError::classify(&e)
+        })
+    }
+
+    /// Writes room records `(key, value)` in order, in as few etcd transactions as
+    /// [`crate::MAX_BATCH_RECORDS`] and [`crate::MAX_BATCH_BYTES`] allow, with the guarantees
+    /// of one [`Retained::Record`] write each: create-if-absent per key (the first value of a
+    /// key wins, also within the batch), on the retention lease, retried until etcd takes it
+    /// or `deadline` passes. A batch etcd rejects for good (an etcd run with a lower
+    /// `--max-txn-ops` or request size) is split in halves, down to single records, so only a
+    /// bad record itself is [`Written::Rejected`]. Returns one outcome per record.
+    pub async fn write_records(&mut self, records: &[(&str, &[u8])], deadline: Option<Instant>) -> Vec<Written> {
+        let mut out = Vec::with_capacity(records.len());
+        // Ranges still to write, front first, so records keep their order.
+        let mut todo = std::collections::VecDeque::new();
+        let mut start = 0;
+        while start < records.len() {
+            let mut end = start;
+            let mut bytes = 0;
+            while end < records.len()
+                && end - start < crate::MAX_BATCH_RECORDS
+                && (end == start || bytes + records[end].1.len() <= crate::MAX_BATCH_BYTES)
+            {
+                bytes += records[end].1.len();
+                end += 1;
+            }
+            todo.push_back(start..end);
+            start = end;
+        }
+        while let Some(range) = todo.pop_front() {
+            let batch = &records[range.clone()];
+            if let [(key, value)] = batch {
+                out.push(self.write(Retained::Record { key, value }, deadline).await);
+                continue;
+            }
+            match self.write_batch(batch, deadline).await {
+                Some(written) => out.extend(written),
+                None => {
+                    let mid = range.start + batch.len() / 2;
+                    todo.push_front(mid..range.end);
+                    todo.push_front(range.start..mid);
+                }
+            }
+        }
+        out
+    }
+
+    /// One batch until etcd takes it; `None` when etcd rejected it for good.
+    async fn write_batch(&mut self, batch: &[(&str, &[u8])], deadline: Option<Instant>) -> Option<Vec<Written>> {
+        let mut attempts = 0u32;
+        loop {
+            match self.attempt_records(batch).await {
+                Ok(written) => {
+                    self.backoff.reset();
+                    return Some(
+                        written
+                            .into_iter()
+                            .map(|w| if w { Written::Yes } else { Written::AlreadyThere })
+                            .collect(),
+                    );
+                }
+                Err(WriteError::Permanent(e)) => {
+                    debug!(error = %e, records = batch.len(), "batch rejected by etcd; splitting it");
+                    return None;
+                }
+                Err(e) => {
+                    attempts += 1;
+                    self.retries += 1;
+                    if attempts == 3 {
+                        warn!(error = %e, records = batch.len(), "batch of room failure records not written yet; retrying until etcd takes it");
+                    } else {
+                        debug!(error = %e, records = batch.len(), "batch not written yet; retrying");
+                    }
+                }
+            }
+            let pause = self.backoff.next_pause();
+            if deadline.is_some_and(|d| crate::deadline_after(pause) > d) {
+                return Some(vec![Written::GaveUp; batch.len()]);
+            }
+            tokio::time::sleep(pause).await;
+        }
+    }
+
     /// Writes `what`, retrying transient failures until etcd takes it or `deadline` passes
     /// (`None`: forever). A permanent rejection returns [`Written::Rejected`] at once, so one
     /// bad value never blocks the values queued behind it.

@@ -33,11 +33,19 @@ pub struct Etcd {
 
 impl Etcd {
     pub fn start() -> anyhow::Result<Etcd> {
+        Etcd::start_with(&[])
+    }
+    /// With extra etcd flags (e.g. `--max-txn-ops 16`).
+    pub fn start_with(extra_args: &[&str]) -> anyhow::Result<Etcd> {
         let dir = tempfile::tempdir()?;
         let mut last = None;
+        let opts = EtcdOptions {
+            extra_args: extra_args.iter().map(|a| a.to_string()).collect(),
+            ..EtcdOptions::default()
+        };
         // Free-port races with parallel tests are possible: try a few times.
         for _ in 0..5 {
-            match EmbeddedEtcd::start(dir.path(), &EtcdOptions::default()) {
+            match EmbeddedEtcd::start(dir.path(), &opts) {
                 Ok(inner) => return Ok(Etcd { inner, _dir: dir }),
                 Err(e) => last = Some(e),
             }
