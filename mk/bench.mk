@@ -10,6 +10,8 @@
 #   $(BENCH_BIN) detection --kills 10 --ttls 1
 #   $(BENCH_BIN) scale --groups 200 --records 100000
 #   $(BENCH_BIN) agent --calls 100000
+#   $(BENCH_BIN) burst --bursts 3
+#   $(BENCH_BIN) keepalive --variants 5:2000
 #
 # Needs etcd and wrk on PATH (Debian: etcd-server, wrk). The suite starts its own etcd and
 # coordinators on loopback; coordinators and ranks are the rootrank-bench binary itself

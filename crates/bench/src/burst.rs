@@ -56,17 +56,19 @@ const PREFIX: &str = crate::verdicts::PREFIX;
 const CULPRIT: usize = 3;
 
 pub async fn run(env: &Env, cfg: &BurstCfg) -> anyhow::Result<Value> {
-    let dir = env.subdir("burst")?;
-    let etcd = procs::start_etcd(&dir, &[])?;
-    let endpoint = etcd.endpoint();
-    let etcd_pid = procs::etcd_pid(&etcd)?;
-    let coord = Coordinator::start(env, &endpoint, PREFIX, Duration::from_secs(30)).await?;
-    let rig = Rig::new(&coord, etcd_pid, &endpoint).await?;
     let mut modes = serde_json::Map::new();
     for (mode_no, (mode, max_batch)) in [("single", 1usize), ("batched", rootrank_store::MAX_BATCH_RECORDS)]
         .into_iter()
         .enumerate()
     {
+        // A fresh etcd and coordinator per mode: the second mode must not pay for the
+        // first one's records in etcd's backend.
+        let dir = env.subdir(&format!("burst-{mode}"))?;
+        let etcd = procs::start_etcd(&dir, &[])?;
+        let endpoint = etcd.endpoint();
+        let etcd_pid = procs::etcd_pid(&etcd)?;
+        let coord = Coordinator::start(env, &endpoint, PREFIX, Duration::from_secs(30)).await?;
+        let rig = Rig::new(&coord, etcd_pid, &endpoint).await?;
         let mut bursts = Vec::new();
         for b in 0..cfg.bursts {
             let group_prefix = format!("burst-{mode}-{b}");
@@ -109,7 +111,7 @@ pub async fn run(env: &Env, cfg: &BurstCfg) -> anyhow::Result<Value> {
         "setup": {
             "ranks": RANKS, "rooms": cfg.rooms, "records_per_burst": cfg.rooms * RANKS, "bursts_per_mode": cfg.bursts,
             "sustained_rate": cfg.rate, "sustained_agents": cfg.agents, "sustained_s": cfg.duration.as_secs_f64(),
-            "how": "8 agents (Agent::start) in the bench process on a fresh group per burst; a long poll (wait_ms, view=compact) per room is opened first; then rank 3 records `local` nixl_error and ranks 0-2,4-7 `propagated` for every room, enqueued room by room; resolved = the long poll's answer. Medians over the bursts. `single`: max_batch 1 (one create-if-absent per record, as before batching); `batched`: max_batch 64.",
+            "how": "per mode a fresh etcd and coordinator; 8 agents (Agent::start) in the bench process on a fresh group per burst; a long poll (wait_ms, view=compact) per room is opened first; then rank 3 records `local` nixl_error and ranks 0-2,4-7 `propagated` for every room, enqueued room by room; resolved = the long poll's answer. Medians over the bursts. `single`: max_batch 1 (one create-if-absent per record, as before batching); `batched`: max_batch 64.",
         },
         "modes": Value::Object(modes),
     }))
