@@ -18,7 +18,7 @@ pub mod transfer_agent;
 pub use error::{PdError, RoomTransferError};
 pub use transfer_agent::{NixlRecord, PdAgent, PeerRef, NIXL_SUFFIX};
 
-pub use rootrank_transfer::{NixlLibrary, TransferError, NIXL_DIR_ENV};
+pub use rootrank_transfer::{set_ucx_defaults_before_threads, NixlLibrary, TransferError, NIXL_DIR_ENV};
 
 /// Loads NIXL for a rootrank process. When a directory is named (`dir`, else a non-empty
 /// `ROOTRANK_NIXL_DIR`) only that directory is searched: an operator who names a directory

@@ -177,15 +177,21 @@ impl PdAgent {
         self.agent.as_ref()
     }
 
-    /// The bytes of local region `index` (read after its writer's notification).
-    pub fn region_bytes(&self, index: usize) -> Result<&[u8], PdError> {
-        Ok(self.nixl.region_bytes(self.region_id(index)?)?)
+    /// Copies bytes `offset..offset + out.len()` of local region `index` into `out` (read
+    /// after its writer's notification; see `rootrank_transfer::Agent::read_region`).
+    pub fn read_region(&self, index: usize, offset: usize, out: &mut [u8]) -> Result<(), PdError> {
+        Ok(self.nixl.read_region(self.region_id(index)?, offset, out)?)
     }
 
-    /// The bytes of local region `index`, writable (to fill a source buffer).
-    pub fn region_bytes_mut(&mut self, index: usize) -> Result<&mut [u8], PdError> {
+    /// A copy of local region `index`.
+    pub fn region_to_vec(&self, index: usize) -> Result<Vec<u8>, PdError> {
+        Ok(self.nixl.region_to_vec(self.region_id(index)?)?)
+    }
+
+    /// Copies `data` into local region `index` at `offset` (to fill a source buffer).
+    pub fn write_region(&mut self, index: usize, offset: usize, data: &[u8]) -> Result<(), PdError> {
         let id = self.region_id(index)?;
-        Ok(self.nixl.region_bytes_mut(id)?)
+        Ok(self.nixl.write_region(id, offset, data)?)
     }
 
     fn region_id(&self, index: usize) -> Result<RegionId, PdError> {

@@ -81,14 +81,14 @@ fn writes_failures_and_a_restarted_peer() {
 
     // An intact, notified WRITE.
     let room = random_room();
-    pattern::fill(prefill.region_bytes_mut(0).expect("src"), room, 1, 0);
+    fill_source(&mut prefill, room);
     let tag = format!("{room}_kv_0_1_1");
     prefill
         .write_room(room, &peer, 0, 0, 0, 0, LEN, tag.as_bytes(), Duration::from_secs(10))
         .expect("write");
     wait_notification(&mut decode, &tag);
     assert!(
-        pattern::check(decode.region_bytes(0).expect("dst"), room, 1, 0),
+        pattern::check(&decode.region_to_vec(0).expect("dst"), room, 1, 0),
         "bytes arrived intact"
     );
 
@@ -137,14 +137,20 @@ fn writes_failures_and_a_restarted_peer() {
     let mut decode2 = PdAgent::start(&lib, config(&ep, "decode-0", 1), &[LEN], WAIT).expect("restarted decode");
     assert_ne!(decode2.name(), old_name);
     let room = random_room();
-    pattern::fill(prefill.region_bytes_mut(0).expect("src"), room, 1, 0);
+    fill_source(&mut prefill, room);
     let tag = format!("{room}_kv_0_1_1");
     prefill
         .write_room(room, &peer, 0, 0, 0, 0, LEN, tag.as_bytes(), Duration::from_secs(10))
         .expect("write to the restarted peer");
     assert_eq!(prefill.peer_info(&peer).agent.as_deref(), Some(decode2.name()));
     wait_notification(&mut decode2, &tag);
-    assert!(pattern::check(decode2.region_bytes(0).expect("dst"), room, 1, 0));
+    assert!(pattern::check(&decode2.region_to_vec(0).expect("dst"), room, 1, 0));
     assert!(prefill.shutdown(Duration::from_secs(10)));
     assert!(decode2.shutdown(Duration::from_secs(10)));
+}
+
+fn fill_source(agent: &mut PdAgent, room: u64) {
+    let mut src = vec![0u8; LEN];
+    pattern::fill(&mut src, room, 1, 0);
+    agent.write_region(0, 0, &src).expect("src");
 }

@@ -26,6 +26,8 @@ const MAX: usize = 16 << 20;
 const TIMEOUT: Duration = Duration::from_secs(10);
 
 fn main() -> ExitCode {
+    // SAFETY: first thing in main, before any thread exists.
+    unsafe { rootrank_transfer::set_ucx_defaults_before_threads() };
     let args: Vec<String> = std::env::args().skip(1).collect();
     let result = if args.first().map(String::as_str) == Some("--receiver") {
         match args.get(1) {
@@ -134,9 +136,8 @@ fn run(lib: &NixlLibrary, dir: &Path, child: &mut std::process::Child, notify: b
     let mut agent = TransferAgent::new(lib, "bench-prefill").map_err(err)?;
     let agent_start = t0.elapsed();
     let src = agent.register_dram(MAX).map_err(err)?;
-    for (i, b) in agent.region_bytes_mut(src).map_err(err)?.iter_mut().enumerate() {
-        *b = (i % 251) as u8;
-    }
+    let pattern: Vec<u8> = (0..MAX).map(|i| (i % 251) as u8).collect();
+    agent.write_region(src, 0, &pattern).map_err(err)?;
     let desc: RemoteRegion =
         serde_json::from_slice(&wait_file(&dir.join("region.json"), child)?).map_err(|e| e.to_string())?;
     let md = wait_file(&dir.join("md"), child)?;

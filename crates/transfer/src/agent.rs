@@ -255,8 +255,8 @@ impl TransferAgent {
                 "get_plugin_params",
                 &e,
                 format!(
-                    "UCX plugin not found or not loadable; NIXL_PLUGIN_DIR={} (the loaded \
-                     library's plugins are in {})",
+                    "UCX plugin not found or not loadable; NIXL_PLUGIN_DIR={:?} (NIXL looks \
+                     next to libnixl.so when it is unset: {})",
                     std::env::var("NIXL_PLUGIN_DIR").unwrap_or_default(),
                     lib.plugin_dir().display()
                 ),
@@ -319,28 +319,56 @@ impl TransferAgent {
         })
     }
 
-    /// The bytes of a local region.
-    ///
-    /// Peers write into regions behind the process's back; read a region
-    /// only once its writer's notification has arrived.
-    pub fn region_bytes(&self, id: RegionId) -> Result<&[u8], TransferError> {
-        let r = self.region(id)?;
-        // SAFETY: the buffer is live, initialised (zeroed at allocation) and
-        // `len` bytes long for as long as `self` is borrowed; no `&mut` to it
-        // can exist at the same time because that needs `&mut self`. Remote
-        // peers may DMA into it meanwhile (like device memory); the contract
-        // above (read after the notification) is what makes the bytes
-        // meaningful, and u8 has no invalid values.
-        Ok(unsafe { std::slice::from_raw_parts(r.buf.ptr.as_ptr(), r.buf.len()) })
+    /// The length in bytes of a local region.
+    pub fn region_len(&self, id: RegionId) -> Result<usize, TransferError> {
+        Ok(self.region(id)?.buf.len())
     }
 
-    /// The bytes of a local region, writable (to fill a source buffer).
-    pub fn region_bytes_mut(&mut self, id: RegionId) -> Result<&mut [u8], TransferError> {
+    /// The range `offset..offset + len` of region `id`, checked.
+    fn span(&self, id: RegionId, offset: usize, len: usize) -> Result<*mut u8, TransferError> {
         let r = self.region(id)?;
-        let (ptr, len) = (r.buf.ptr.as_ptr(), r.buf.len());
-        // SAFETY: as in `region_bytes`; the `&mut self` borrow makes this the
-        // only slice into the buffer while it lives.
-        Ok(unsafe { std::slice::from_raw_parts_mut(ptr, len) })
+        match offset.checked_add(len) {
+            Some(end) if end <= r.buf.len() => {
+                // SAFETY: offset <= end <= the allocation's length.
+                Ok(unsafe { r.buf.ptr.as_ptr().add(offset) })
+            }
+            _ => Err(TransferError::InvalidArgument(format!(
+                "bytes {offset}..{offset}+{len} are outside region {} ({} bytes)",
+                id.0,
+                r.buf.len()
+            ))),
+        }
+    }
+
+    /// Copies bytes `offset..offset + out.len()` of a local region into `out`.
+    ///
+    /// Peers write into registered regions by DMA behind the process's back, so the agent
+    /// never hands out a `&[u8]` over one (a shared reference promises the bytes do not
+    /// change while it lives): reads are copies through a raw pointer. Read a region once
+    /// its writer's notification has arrived; before that the bytes may be partly written.
+    pub fn read_region(&self, id: RegionId, offset: usize, out: &mut [u8]) -> Result<(), TransferError> {
+        let src = self.span(id, offset, out.len())?;
+        // SAFETY: `src..src + out.len()` lies inside the live allocation (checked by `span`);
+        // `out` is a distinct Rust buffer, so the two do not overlap. No reference to the
+        // region's memory is created.
+        unsafe { std::ptr::copy_nonoverlapping(src, out.as_mut_ptr(), out.len()) };
+        Ok(())
+    }
+
+    /// A copy of a whole local region (see [`Agent::read_region`]).
+    pub fn region_to_vec(&self, id: RegionId) -> Result<Vec<u8>, TransferError> {
+        let mut out = vec![0u8; self.region_len(id)?];
+        self.read_region(id, 0, &mut out)?;
+        Ok(out)
+    }
+
+    /// Copies `data` into a local region at `offset` (to fill a source buffer before a
+    /// WRITE). Like reads, through a raw pointer: no `&mut [u8]` over DMA-able memory.
+    pub fn write_region(&mut self, id: RegionId, offset: usize, data: &[u8]) -> Result<(), TransferError> {
+        let dst = self.span(id, offset, data.len())?;
+        // SAFETY: inside the live allocation (checked by `span`); `data` is a distinct buffer.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst, data.len()) };
+        Ok(())
     }
 
     /// What a peer needs to WRITE into a local region.

@@ -27,4 +27,7 @@ mod library;
 
 pub use agent::{AgentOptions, Progress, RegionId, RemoteRegion, TransferAgent, TransferStats, PROGRESS_ENV};
 pub use error::{status_name, TransferError};
-pub use library::{NixlLibrary, CACHE_DIR, CAPI_LIB, NIXL_DIR_ENV, UCX_DEFAULTS, WHEEL_LIBS_DIR};
+pub use library::{
+    missing_ucx_defaults, set_ucx_defaults_before_threads, NixlLibrary, CACHE_DIR, CAPI_LIB, NIXL_DIR_ENV,
+    UCX_DEFAULTS, WHEEL_LIBS_DIR,
+};

@@ -29,7 +29,8 @@ pub const WHEEL_LIBS_DIR: &str = ".nixl_cu12.mesonpy.libs";
 /// Where `scripts/fetch-nixl.sh` unpacks the wheel, relative to the repo root.
 pub const CACHE_DIR: &str = ".cache/nixl";
 
-/// UCX defaults set when the user has not set them (see [`NixlLibrary::load`]).
+/// The UCX settings rootrank's own processes run NIXL with, where the user has not set them
+/// (applied by [`set_ucx_defaults_before_threads`] or passed to children; never by `load`).
 pub const UCX_DEFAULTS: &[(&str, &str)] = &[
     // Shared-memory-only transports fail UCX backend creation here; tcp is
     // what makes cross-process wire-up work. self + sm keep local paths fast.
@@ -81,10 +82,9 @@ impl NixlLibrary {
     /// Each candidate directory may be the unpacked wheel (holding
     /// `.nixl_cu12.mesonpy.libs/libnixl_capi.so`) or that libs folder itself.
     ///
-    /// Before loading, sets `UCX_TLS=tcp,self,sm` and `UCX_MEM_EVENTS=no`
-    /// unless already set, and `NIXL_PLUGIN_DIR` to the wheel's `plugins/`
-    /// folder unless already set. Call this early, before the process starts
-    /// threads that read the environment.
+    /// It never changes the environment: NIXL finds its `plugins/` folder next
+    /// to `libnixl.so` by itself, and UCX's settings ([`UCX_DEFAULTS`]) are the
+    /// host's to set (see [`set_ucx_defaults_before_threads`]).
     ///
     /// Idempotent: once loaded, later calls return the loaded library
     /// whatever `dir` says.
@@ -121,11 +121,6 @@ impl NixlLibrary {
                     plugin_dir.join("libplugin_UCX.so").display()
                 ),
             });
-        }
-
-        set_default_env("NIXL_PLUGIN_DIR", plugin_dir.as_os_str());
-        for (k, v) in UCX_DEFAULTS {
-            set_default_env(k, std::ffi::OsStr::new(v));
         }
 
         // SAFETY: loading a shared library runs its initialisers. This is the
@@ -185,12 +180,32 @@ fn error_chain(e: &dyn std::error::Error) -> String {
     out
 }
 
-fn set_default_env(key: &str, value: &std::ffi::OsStr) {
-    if std::env::var_os(key).is_none() {
-        // Single-threaded use of the environment is the caller's contract
-        // (documented on `load`); Rust 2021 keeps set_var safe.
-        std::env::set_var(key, value);
+/// Sets each of [`UCX_DEFAULTS`] that is not set yet, in this process's environment.
+///
+/// The library itself never changes the environment: in a process with threads, `setenv`
+/// races every `getenv` (glibc's environment is not thread-safe), and rootrank runs inside
+/// other people's processes. A program that owns its process (rootrank's own binaries) calls
+/// this first thing in `main`; a process that spawns NIXL users passes [`UCX_DEFAULTS`] to
+/// them with `Command::envs`; an embedder sets the variables itself before it starts.
+///
+/// # Safety
+/// No other thread may exist yet (or read or write the environment meanwhile).
+pub unsafe fn set_ucx_defaults_before_threads() {
+    for (k, v) in UCX_DEFAULTS {
+        if std::env::var_os(k).is_none() {
+            std::env::set_var(k, v);
+        }
     }
+}
+
+/// The [`UCX_DEFAULTS`] not set in this process's environment: what a parent passes to a
+/// child that uses NIXL (`Command::envs`), leaving its own environment alone.
+pub fn missing_ucx_defaults() -> Vec<(&'static str, &'static str)> {
+    UCX_DEFAULTS
+        .iter()
+        .filter(|(k, _)| std::env::var_os(k).is_none())
+        .copied()
+        .collect()
 }
 
 fn candidate_dirs(explicit: Option<&Path>) -> Vec<PathBuf> {

@@ -1,5 +1,5 @@
-//! Discovery through ROOTRANK_NIXL_DIR, the env defaults, and idempotent
-//! loading. (One test in this binary: it sets process env vars.)
+//! Discovery through ROOTRANK_NIXL_DIR, an environment left untouched, and
+//! idempotent loading. (One test in this binary: it sets process env vars.)
 
 mod common;
 
@@ -16,15 +16,20 @@ fn env_dir_discovery_defaults_and_idempotent_load() {
     assert!(NixlLibrary::load(Some(empty.path())).is_err());
 
     std::env::set_var("ROOTRANK_NIXL_DIR", &cache);
-    std::env::remove_var("UCX_TLS");
-    std::env::set_var("UCX_MEM_EVENTS", "no"); // a user value is kept as is
+    std::env::remove_var("NIXL_PLUGIN_DIR");
+    std::env::set_var("UCX_TLS", "tcp,self,sm");
+    std::env::remove_var("UCX_MEM_EVENTS");
+    let before: Vec<(std::ffi::OsString, std::ffi::OsString)> = std::env::vars_os().collect();
     let lib = NixlLibrary::load(None).expect("load via ROOTRANK_NIXL_DIR");
     assert!(lib.capi_path().ends_with(".nixl_cu12.mesonpy.libs/libnixl_capi.so"));
     assert!(lib.plugin_dir().join("libplugin_UCX.so").is_file());
-    assert_eq!(std::env::var("UCX_TLS").as_deref(), Ok("tcp,self,sm"));
+    // Loading never changes the host's environment (setenv races getenv in a threaded host).
+    let after: Vec<(std::ffi::OsString, std::ffi::OsString)> = std::env::vars_os().collect();
+    assert_eq!(before, after, "NixlLibrary::load changed the environment");
     assert_eq!(
-        std::env::var_os("NIXL_PLUGIN_DIR").as_deref(),
-        Some(lib.plugin_dir().as_os_str())
+        rootrank_transfer::missing_ucx_defaults(),
+        [("UCX_MEM_EVENTS", "no")],
+        "what a parent would pass to a NIXL child"
     );
 
     // Loaded once: later calls return the same library, whatever they ask.
@@ -32,6 +37,7 @@ fn env_dir_discovery_defaults_and_idempotent_load() {
     assert_eq!(again.capi_path(), lib.capi_path());
 
     let t = std::time::Instant::now();
+    // NIXL finds its UCX plugin next to libnixl.so without NIXL_PLUGIN_DIR.
     let agent = TransferAgent::new(&again, "discovery").expect("agent");
     eprintln!("agent + UCX backend in {:?}", t.elapsed());
     assert_eq!(agent.name(), "discovery");

@@ -18,7 +18,11 @@ fn sigkill_of_receiver_mid_transfer_is_a_typed_error_and_peer_can_be_reloaded() 
     let mut peer = Peer::spawn(tmp.path(), "decode-rank1", LEN);
     let mut agent = TransferAgent::new(&lib, "prefill-rank1").expect("agent");
     let src = agent.register_dram(LEN).expect("register");
-    fill_pattern(agent.region_bytes_mut(src).expect("bytes"), 1);
+    {
+        let mut bytes = vec![0u8; LEN];
+        fill_pattern(&mut bytes, 1);
+        agent.write_region(src, 0, &bytes).expect("bytes");
+    }
     let (name, remote) = peer.connect(&mut agent);
 
     // The link works before the kill.
@@ -108,7 +112,7 @@ fn sigkill_of_receiver_mid_transfer_is_a_typed_error_and_peer_can_be_reloaded() 
     let mut peer2 = Peer::spawn(&dir2, "decode-rank1", LEN);
     let (name2, remote2) = peer2.connect(&mut agent);
     assert_eq!(name2, name);
-    let msg = format!("check:0:{LEN}:{:016x}", fnv1a64(agent.region_bytes(src).expect("b")));
+    let msg = format!("check:0:{LEN}:{:016x}", fnv1a64(&agent.region_to_vec(src).expect("b")));
     agent
         .write(
             &name2,

@@ -18,7 +18,11 @@ fn restarted_peer_is_reachable_after_replace_peer() {
     let mut first = Peer::spawn(tmp.path(), "decode-rank3", LEN);
     let mut agent = TransferAgent::new(&lib, "prefill-rank3").expect("agent");
     let src = agent.register_dram(LEN).expect("register");
-    fill_pattern(agent.region_bytes_mut(src).expect("bytes"), 9);
+    {
+        let mut bytes = vec![0u8; LEN];
+        fill_pattern(&mut bytes, 9);
+        agent.write_region(src, 0, &bytes).expect("bytes");
+    }
     let (name, old_region) = first.connect(&mut agent);
     agent
         .write(&name, src, 0, &old_region, 0, LEN, b"before", t)
@@ -55,7 +59,7 @@ fn restarted_peer_is_reachable_after_replace_peer() {
     assert!(agent.has_peer(&name));
     let msg = format!(
         "check:0:{LEN}:{:016x}",
-        fnv1a64(agent.region_bytes(src).expect("bytes"))
+        fnv1a64(&agent.region_to_vec(src).expect("bytes"))
     );
     agent
         .write(&name, src, 0, &new_region, 0, LEN, msg.as_bytes(), t)

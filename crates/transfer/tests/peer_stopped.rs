@@ -17,7 +17,11 @@ fn sigstop_of_receiver_times_out_without_hanging() {
     let mut peer = Peer::spawn(tmp.path(), "decode-rank2", LEN);
     let mut agent = TransferAgent::new(&lib, "prefill-rank2").expect("agent");
     let src = agent.register_dram(LEN).expect("register");
-    fill_pattern(agent.region_bytes_mut(src).expect("bytes"), 3);
+    {
+        let mut bytes = vec![0u8; LEN];
+        fill_pattern(&mut bytes, 3);
+        agent.write_region(src, 0, &bytes).expect("bytes");
+    }
     let (name, remote) = peer.connect(&mut agent);
     agent
         .write(&name, src, 0, &remote, 0, LEN, b"warmup", Duration::from_secs(10))
@@ -57,8 +61,12 @@ fn sigstop_of_receiver_times_out_without_hanging() {
 
     // Resume: the peer works again and checks what a fresh write carries.
     peer.signal(libc::SIGCONT);
-    fill_pattern(agent.region_bytes_mut(src).expect("bytes"), 4);
-    let msg = format!("check:0:{LEN}:{:016x}", fnv1a64(agent.region_bytes(src).expect("b")));
+    {
+        let mut bytes = vec![0u8; LEN];
+        fill_pattern(&mut bytes, 4);
+        agent.write_region(src, 0, &bytes).expect("bytes");
+    }
+    let msg = format!("check:0:{LEN}:{:016x}", fnv1a64(&agent.region_to_vec(src).expect("b")));
     agent
         .write(&name, src, 0, &remote, 0, LEN, msg.as_bytes(), Duration::from_secs(10))
         .expect("write after SIGCONT");

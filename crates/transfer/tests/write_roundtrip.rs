@@ -19,12 +19,16 @@ fn cross_process_write_arrives_intact_with_notification() {
     let mut agent = TransferAgent::new(&lib, "prefill-rank0").expect("agent");
     eprintln!("sender agent up in {:?}", t0.elapsed());
     let src = agent.register_dram(LEN).expect("register");
-    fill_pattern(agent.region_bytes_mut(src).expect("bytes"), 42);
+    {
+        let mut bytes = vec![0u8; LEN];
+        fill_pattern(&mut bytes, 42);
+        agent.write_region(src, 0, &bytes).expect("bytes");
+    }
     let (name, remote) = peer.connect(&mut agent);
     assert_eq!(remote.len, LEN as u64);
 
     // Whole region, then a sub-range at an offset into a different place.
-    let whole = fnv1a64(agent.region_bytes(src).expect("bytes"));
+    let whole = fnv1a64(&agent.region_to_vec(src).expect("bytes"));
     let msg = format!("check:0:{LEN}:{whole:016x}");
     let stats = agent
         .write(&name, src, 0, &remote, 0, LEN, msg.as_bytes(), Duration::from_secs(10))
@@ -35,8 +39,12 @@ fn cross_process_write_arrives_intact_with_notification() {
     assert!(line.ends_with(" ok"), "receiver says: {line}");
     assert!(line.starts_with("notif prefill-rank0 "), "sender name: {line}");
 
-    fill_pattern(agent.region_bytes_mut(src).expect("bytes"), 7);
-    let part = &agent.region_bytes(src).expect("bytes")[100..100 + 4096];
+    {
+        let mut bytes = vec![0u8; LEN];
+        fill_pattern(&mut bytes, 7);
+        agent.write_region(src, 0, &bytes).expect("bytes");
+    }
+    let part = &agent.region_to_vec(src).expect("bytes")[100..100 + 4096];
     let msg = format!("check:8192:4096:{:016x}", fnv1a64(part));
     agent
         .write(

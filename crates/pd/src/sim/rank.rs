@@ -166,11 +166,12 @@ fn prefill_room(
     let block = opts.block_size;
     let chunks = opts.chunks.max(1);
     {
-        let src = agent.region_bytes_mut(0)?;
+        let mut src = vec![0u8; chunks as usize * block];
         for c in 0..chunks {
             let start = c as usize * block;
             pattern::fill(&mut src[start..start + block], room, opts.rank, c);
         }
+        agent.write_region(0, 0, &src)?;
     }
     // Per room, as SGLang's decode side re-registers with the bootstrap server per request:
     // pick up a restarted peer's new metadata before writing (one etcd read).
@@ -433,9 +434,10 @@ fn decode(lib: &NixlLibrary, opts: &RankOpts) -> Result<(), PdError> {
             if a.last.is_some_and(|l| a.seen == l + 1) {
                 arrivals.remove(&(room, src));
                 let base = (idx % slots) as usize * slot_len;
-                let bytes = agent.region_bytes(0)?;
+                let mut bytes = vec![0u8; chunks as usize * opts.block_size];
+                agent.read_region(0, base, &mut bytes)?;
                 let ok = (0..chunks).all(|c| {
-                    let s = base + c as usize * opts.block_size;
+                    let s = c as usize * opts.block_size;
                     pattern::check(&bytes[s..s + opts.block_size], room, src, c)
                 });
                 let span = info_span!("room", group = %opts.group, rank = opts.rank, room, idx);

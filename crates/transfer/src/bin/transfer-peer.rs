@@ -24,6 +24,8 @@ use std::time::{Duration, Instant};
 use rootrank_transfer::{NixlLibrary, TransferAgent, TransferError};
 
 fn main() -> ExitCode {
+    // SAFETY: first thing in main, before any thread exists.
+    unsafe { rootrank_transfer::set_ucx_defaults_before_threads() };
     let args: Vec<String> = std::env::args().skip(1).collect();
     let result = match args.first().map(String::as_str) {
         Some("receive") if args.len() >= 4 => {
@@ -102,7 +104,7 @@ fn receive(dir: &Path, name: &str, len: usize, max_secs: u64) -> Result<(), Stri
                 return Ok(());
             }
             let verdict = match text.strip_prefix("check:") {
-                Some(spec) => check(agent.region_bytes(region).map_err(describe)?, spec),
+                Some(spec) => check(&agent.region_to_vec(region).map_err(describe)?, spec),
                 None => "ok".to_string(),
             };
             writeln!(log, "notif {from} {text} {verdict}").map_err(|e| e.to_string())?;
