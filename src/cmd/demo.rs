@@ -8,7 +8,6 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use rootrank_coordinator::CoordinatorConfig;
-use rootrank_core::IndexConfig;
 use rootrank_pd::sim::parent::{Fault, FaultKind, RoomSummary, SimConfig};
 use rootrank_pd::sim::rank::culprit_error;
 use rootrank_store::embedded::{EmbeddedEtcd, EtcdOptions};
@@ -50,13 +49,7 @@ pub fn run(_a: DemoArgs) -> anyhow::Result<ExitCode> {
     let url = format!("http://127.0.0.1:{port}");
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let coordinator = rt.spawn(rootrank_coordinator::run(
-        CoordinatorConfig {
-            endpoints: vec![etcd.endpoint()],
-            listen: ([127, 0, 0, 1], port).into(),
-            index: IndexConfig::default(),
-            retention: Duration::from_secs(600),
-            max_long_polls: rootrank_coordinator::http::MAX_LONG_POLLS,
-        },
+        CoordinatorConfig::new(vec![etcd.endpoint()], ([127, 0, 0, 1], port).into()),
         async {
             let _ = stop_rx.await;
         },

@@ -31,6 +31,13 @@ pub struct ServeArgs {
     /// Long polls (verdicts with wait_ms) allowed to wait at once; past it, 503 with Retry-After.
     #[arg(long, default_value_t = rootrank_coordinator::http::MAX_LONG_POLLS)]
     pub max_long_polls: usize,
+    /// HTTP connections open at once; more are closed on arrival (clients try another replica).
+    #[arg(long, default_value_t = rootrank_coordinator::server::MAX_CONNECTIONS)]
+    pub max_connections: usize,
+    /// Milliseconds a client gets to send a request's head; also how long an idle kept-alive
+    /// connection stays open.
+    #[arg(long, default_value_t = rootrank_coordinator::server::HEADER_TIMEOUT.as_millis() as u64)]
+    pub header_timeout_ms: u64,
 }
 
 fn default_data_dir() -> PathBuf {
@@ -89,6 +96,8 @@ pub fn run(a: ServeArgs) -> anyhow::Result<ExitCode> {
         },
         retention: Duration::from_secs(a.retention_s.max(1)),
         max_long_polls: a.max_long_polls,
+        max_connections: a.max_connections,
+        header_timeout: Duration::from_millis(a.header_timeout_ms.max(1)),
     };
     eprintln!(
         "rootrank: coordinator on http://{} (etcd {})",

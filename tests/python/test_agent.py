@@ -181,6 +181,20 @@ def test_coordinator_client_fails_over_between_replicas(etcd, coordinator, tmp):
         second.kill()
 
 
+def test_coordinator_client_survives_the_server_closing_an_idle_connection(etcd, tmp):
+    # The coordinator ends kept-alive connections idle for longer than --header-timeout-ms;
+    # one replica only, so a failed reuse cannot hide behind a failover.
+    server = Coordinator(etcd, tmp, "--header-timeout-ms", "300")
+    try:
+        client = rootrank.Coordinator(server.url)
+        assert client.groups() is not None
+        time.sleep(1.0)  # the server has closed the idle connection by now
+        assert client.groups() is not None
+        assert client.verdict(12345, timeout_s=5)["room"] == "12345"
+    finally:
+        server.kill()
+
+
 def test_imports_without_torch_or_sglang():
     import subprocess
     import sys

@@ -228,16 +228,8 @@ impl Drop for RankProc {
 /// `rootrank-bench serve-coordinator`: the coordinator, as `rootrank serve` runs it.
 pub fn serve_coordinator(endpoints: Vec<String>, listen: std::net::SocketAddr, prefix: String) -> anyhow::Result<()> {
     init_tracing();
-    let config = rootrank_coordinator::CoordinatorConfig {
-        endpoints,
-        listen,
-        index: rootrank_core::IndexConfig {
-            prefix,
-            ..rootrank_core::IndexConfig::default()
-        },
-        retention: Duration::from_secs(600),
-        max_long_polls: rootrank_coordinator::http::MAX_LONG_POLLS,
-    };
+    let mut config = rootrank_coordinator::CoordinatorConfig::new(endpoints, listen);
+    config.index.prefix = prefix;
     // The same runtime shape as `rootrank serve` (src/cmd/mod.rs): 2 worker threads.
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

@@ -12,6 +12,7 @@
 pub mod http;
 pub mod metrics;
 pub mod presence;
+pub mod server;
 pub mod sync;
 
 use std::net::SocketAddr;
@@ -32,6 +33,28 @@ pub struct CoordinatorConfig {
     pub retention: Duration,
     /// Long polls allowed to wait at once (default [`http::MAX_LONG_POLLS`]).
     pub max_long_polls: usize,
+    /// HTTP connections open at once (default [`server::MAX_CONNECTIONS`]); more are closed
+    /// on arrival, so a client tries another replica instead of waiting in a queue.
+    pub max_connections: usize,
+    /// How long a client may take to send a request's head, and how long a kept-alive
+    /// connection may sit idle (default [`server::HEADER_TIMEOUT`]): slow clients
+    /// (slowloris) cannot hold connections for ever.
+    pub header_timeout: Duration,
+}
+
+impl CoordinatorConfig {
+    /// The defaults of `rootrank serve` for everything but where etcd is and where to listen.
+    pub fn new(endpoints: Vec<String>, listen: SocketAddr) -> Self {
+        CoordinatorConfig {
+            endpoints,
+            listen,
+            index: IndexConfig::default(),
+            retention: Duration::from_secs(600),
+            max_long_polls: http::MAX_LONG_POLLS,
+            max_connections: server::MAX_CONNECTIONS,
+            header_timeout: server::HEADER_TIMEOUT,
+        }
+    }
 }
 
 /// State shared by the sync loop and the HTTP handlers.
@@ -89,10 +112,8 @@ pub async fn run(
     let sync = tokio::spawn(sync::run(config.clone(), shared.clone()));
     let presence = tokio::spawn(presence::run(config.clone(), addr));
     let app = http::router(shared.clone());
-    let served = axum::serve(listener, app.into_make_service())
-        .with_graceful_shutdown(shutdown)
-        .await;
+    server::serve(listener, app, &config, &shared, shutdown).await;
     sync.abort();
     presence.abort();
-    served.map_err(CoordinatorError::Serve)
+    Ok(())
 }

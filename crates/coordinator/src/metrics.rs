@@ -18,6 +18,8 @@ pub struct Metrics {
     pub resolution_seconds: Histogram,
     pub watch_restarts: IntCounter,
     pub http_duration: HistogramVec,
+    pub http_connections: IntGauge,
+    pub http_connections_refused: IntCounter,
 }
 
 impl Metrics {
@@ -79,6 +81,13 @@ impl Metrics {
             ]),
             &["route", "status"],
         )?;
+        let http_connections = IntGauge::new("rootrank_http_connections", "HTTP connections open now")?;
+        let http_connections_refused = IntCounter::new(
+            "rootrank_http_connections_refused_total",
+            "HTTP connections closed on arrival because --max-connections were open",
+        )?;
+        registry.register(Box::new(http_connections.clone()))?;
+        registry.register(Box::new(http_connections_refused.clone()))?;
         registry.register(Box::new(root_causes.clone()))?;
         registry.register(Box::new(verdicts.clone()))?;
         registry.register(Box::new(failure_records.clone()))?;
@@ -106,6 +115,8 @@ impl Metrics {
             resolution_seconds,
             watch_restarts,
             http_duration,
+            http_connections,
+            http_connections_refused,
         })
     }
 

@@ -55,6 +55,18 @@ class _Replica:
         self.conn: Optional[http.client.HTTPConnection] = None
 
     def request(self, path: str, timeout_s: float) -> tuple:
+        reused = self.conn is not None
+        try:
+            return self._request_once(path, timeout_s)
+        except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+            # A kept-alive connection the server closed while it sat idle (the coordinator
+            # ends idle connections after --header-timeout-ms): GET is idempotent, so one
+            # more try on a fresh connection.
+            if not reused:
+                raise
+            return self._request_once(path, timeout_s)
+
+    def _request_once(self, path: str, timeout_s: float) -> tuple:
         if self.conn is None:
             self.conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout_s)
         else:

@@ -1,0 +1,89 @@
+//! The HTTP server loop, with the bounds a shared service needs: at most `max_connections`
+//! connections (more are closed on arrival and counted), and a deadline for each request's
+//! head that also ends idle kept-alive connections. Long polls are bounded separately
+//! ([`crate::http::MAX_LONG_POLLS`]) and every handler either answers at once or waits at
+//! most `wait_ms` (<= 30 s).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::service::TowerToHyperService;
+use tokio::net::TcpListener;
+use tokio::sync::{watch, Semaphore};
+use tracing::{debug, warn};
+
+use crate::{CoordinatorConfig, Shared};
+
+/// Default bound on open connections: far below a default 1,048,576 fd limit and far above
+/// what a fleet's schedulers keep open to one replica.
+pub const MAX_CONNECTIONS: usize = 16_384;
+
+/// Default time a client gets to send a request head (and a kept-alive connection to stay idle).
+pub const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long shutdown waits for open requests (long polls included) to finish.
+const DRAIN: Duration = Duration::from_secs(5);
+
+/// Serves `app` on `listener` until `shutdown` resolves, then drains for at most [`DRAIN`].
+pub async fn serve(
+    listener: TcpListener,
+    app: Router,
+    config: &CoordinatorConfig,
+    shared: &Arc<Shared>,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) {
+    let max = config.max_connections.max(1);
+    let slots = Arc::new(Semaphore::new(max));
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let mut http1 = hyper::server::conn::http1::Builder::new();
+    http1
+        .timer(TokioTimer::new())
+        .header_read_timeout(config.header_timeout)
+        .keep_alive(true);
+    tokio::pin!(shutdown);
+    loop {
+        let (stream, peer) = tokio::select! {
+            _ = &mut shutdown => break,
+            accepted = listener.accept() => match accepted {
+                Ok(a) => a,
+                Err(e) => {
+                    // Out of file descriptors or similar: pause instead of spinning.
+                    warn!(error = %e, "accept failed; pausing 100 ms");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            },
+        };
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            shared.metrics.http_connections_refused.inc();
+            debug!(%peer, max, "connection refused: --max-connections are open");
+            drop(stream);
+            continue;
+        };
+        let _ = stream.set_nodelay(true);
+        let conn = http1.serve_connection(TokioIo::new(stream), TowerToHyperService::new(app.clone()));
+        let (mut stop, shared) = (stop_rx.clone(), shared.clone());
+        shared.metrics.http_connections.inc();
+        tokio::spawn(async move {
+            tokio::pin!(conn);
+            tokio::select! {
+                r = conn.as_mut() => {
+                    if let Err(e) = r {
+                        debug!(%peer, error = %e, "connection ended with an error");
+                    }
+                }
+                _ = stop.changed() => {
+                    conn.as_mut().graceful_shutdown();
+                    let _ = tokio::time::timeout(DRAIN, conn).await;
+                }
+            }
+            shared.metrics.http_connections.dec();
+            drop(slot);
+        });
+    }
+    let _ = stop_tx.send(true);
+    // Every connection gives its slot back when it ends; wait (bounded) for all of them.
+    let _ = tokio::time::timeout(DRAIN + Duration::from_secs(1), slots.acquire_many(max as u32)).await;
+}
