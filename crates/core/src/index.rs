@@ -246,8 +246,9 @@ pub struct Index {
     pub(crate) ranks: BTreeMap<(GroupId, Rank), RankState>,
     pub(crate) deaths: BTreeMap<(GroupId, Rank, Incarnation), Death>,
     pub(crate) rooms: HashMap<RoomId, RoomEntry>,
-    /// Rooms with records in a group and no verdict yet, re-checked when a death lands.
-    pub(crate) unresolved: HashMap<GroupId, HashSet<RoomId>>,
+    /// Rooms with records in a group and no verdict yet, re-checked when a death lands (in
+    /// room order, so every replica emits the same outputs in the same order).
+    pub(crate) unresolved: HashMap<GroupId, BTreeSet<RoomId>>,
     /// The most recently resolved rooms, by (revision, room): the revision at which the room
     /// had both its first record and its culprit, a function of etcd state, so replicas and
     /// a reloaded coordinator keep the same log. The root cause itself is derived when asked,
@@ -332,6 +333,8 @@ impl Index {
         // A snapshot comes in key order, so a room may have resolved on a record that was not
         // its first: place every resolved room in the log by its final culprit, as a
         // coordinator that watched would have.
+        // (In hash order: harmless, the log keeps the largest (revision, room) pairs whatever
+        // order they are inserted in.)
         let resolved: Vec<RoomId> = self.rooms.iter().filter(|(_, e)| e.resolved).map(|(r, _)| *r).collect();
         self.root_causes.clear();
         for room in resolved {
