@@ -16,14 +16,19 @@ use rootrank_core::{time, Event, Index, Keys, Output, Reason};
 use rootrank_store::etcd_client::{Client, EventType, WatchOptions};
 use rootrank_store::{Backoff, LazyClient, Retained, RetainedWriter};
 use tokio::sync::mpsc;
-use tracing::{debug, info, warn};
+use tracing::{debug, info, info_span, warn, Instrument};
 
 use crate::{CoordinatorConfig, Shared};
 
 /// Runs forever (until aborted).
 pub async fn run(config: CoordinatorConfig, shared: Arc<Shared>) {
+    let span = info_span!("sync", prefix = %config.index.prefix);
+    run_in_span(config, shared).instrument(span).await
+}
+
+async fn run_in_span(config: CoordinatorConfig, shared: Arc<Shared>) {
     let (cert_tx, cert_rx) = mpsc::unbounded_channel();
-    tokio::spawn(certificate_writer(config.clone(), cert_rx));
+    tokio::spawn(certificate_writer(config.clone(), cert_rx).in_current_span());
     let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(2));
     let mut client: Option<Client> = None;
     let mut need_snapshot = true;
@@ -45,7 +50,10 @@ pub async fn run(config: CoordinatorConfig, shared: Arc<Shared>) {
             },
         };
         if need_snapshot {
-            match load(&config, &shared, c.clone(), &cert_tx, &mut logged_invalid).await {
+            match load(&config, &shared, c.clone(), &cert_tx, &mut logged_invalid)
+                .instrument(info_span!("snapshot"))
+                .await
+            {
                 Ok(rev) => {
                     info!(
                         revision = rev,
@@ -65,7 +73,11 @@ pub async fn run(config: CoordinatorConfig, shared: Arc<Shared>) {
             shared.metrics.watch_restarts.inc();
         }
         first_watch = false;
-        match watch(&config, &shared, c, &cert_tx, &mut logged_invalid, &mut backoff).await {
+        let from = shared.index.read().map(|i| i.revision()).unwrap_or(0) + 1;
+        match watch(&config, &shared, c, &cert_tx, &mut logged_invalid, &mut backoff)
+            .instrument(info_span!("watch", from_revision = from))
+            .await
+        {
             WatchEnd::Compacted => {
                 warn!("watch start revision was compacted; reloading the index from a fresh snapshot");
                 need_snapshot = true;
@@ -308,9 +320,11 @@ async fn certificate_writer(config: CoordinatorConfig, mut rx: mpsc::UnboundedRe
             registered_revision: Some(registered_revision),
         };
         let key = keys.down(&group, rank, incarnation);
+        let span = info_span!("certificate", %group, rank, %incarnation);
         let written = writer
             .write(Retained::Certificate { key: &key, down: &down }, None)
+            .instrument(span.clone())
             .await;
-        debug!(key, ?written, "lease_expired certificate");
+        span.in_scope(|| debug!(key, ?written, "lease_expired certificate"));
     }
 }
