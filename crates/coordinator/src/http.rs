@@ -316,7 +316,10 @@ impl VerdictCache {
                 format!("verdict did not encode: {e}"),
             )
         })?);
-        let cacheable = v.status == Status::Resolved && v.evidence.iter().any(|e| e.kind == "room_record");
+        let cacheable = v.status == Status::Resolved
+            && v.evidence
+                .iter()
+                .any(|e| e.kind == rootrank_core::EvidenceKind::RoomRecord);
         if cacheable {
             if let Ok(mut c) = self.inner.lock() {
                 if c.revision != index.revision() || c.answers.len() >= CACHE_ANSWERS {

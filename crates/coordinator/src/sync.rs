@@ -256,13 +256,13 @@ fn handle_outputs(
                 ..
             } => {
                 m.root_causes
-                    .with_label_values(&[group.as_str(), &rank.to_string(), reason.as_str(), source])
+                    .with_label_values(&[group.as_str(), &rank.to_string(), reason.as_str(), source.as_str()])
                     .inc();
                 if live {
                     m.resolution_seconds
                         .observe((observed_ms - first_record_observed_ms).max(0) as f64 / 1000.0);
                 }
-                info!(%room, %group, rank, %reason, source, "room resolved");
+                info!(%room, %group, rank, %reason, %source, "room resolved");
             }
             Output::LiveKeyVanished {
                 group,

@@ -28,6 +28,7 @@ pub use index::{Event, Index, IndexConfig, Output};
 pub use keys::{KeyKind, Keys};
 pub use records::{DownSource, ExitInfo, Origin, Peer, RankDown, RankLive, RecordError, RoomFailure};
 pub use verdict::{
-    Action, CompactCause, CompactCulprit, CompactVerdict, Culprit, Evidence, PeerRef, Status, Verdict, VerdictQuery,
+    Action, CompactCause, CompactCulprit, CompactVerdict, Culprit, CulpritSource, Evidence, EvidenceKind, PeerRef,
+    Status, Verdict, VerdictQuery,
 };
 pub use views::{GroupSummary, GroupView, RankStateKind, RankView};

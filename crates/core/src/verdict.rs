@@ -63,6 +63,45 @@ pub enum Action {
     Wait,
 }
 
+/// Where a verdict learned its culprit from (`culprit.source` in SPEC section 5).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CulpritSource {
+    /// A rank's own room failure record.
+    RoomRecord,
+    /// A down certificate written by someone who knew why (agent, supervisor, watchdog).
+    DownCertificate,
+    /// Only the liveness lease ran out (or a coordinator certificate said so).
+    LeaseExpired,
+}
+
+impl CulpritSource {
+    /// The JSON and metric label name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CulpritSource::RoomRecord => "room_record",
+            CulpritSource::DownCertificate => "down_certificate",
+            CulpritSource::LeaseExpired => "lease_expired",
+        }
+    }
+}
+
+impl std::fmt::Display for CulpritSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// What a piece of a verdict's evidence is (`evidence[].kind` in SPEC section 5).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EvidenceKind {
+    RoomRecord,
+    /// A specific down certificate.
+    Down,
+    LeaseExpired,
+}
+
 /// The rank that really failed the room.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Culprit {
@@ -70,8 +109,7 @@ pub struct Culprit {
     pub rank: Rank,
     pub reason: Reason,
     pub detail: String,
-    /// `room_record`, `down_certificate` or `lease_expired`.
-    pub source: &'static str,
+    pub source: CulpritSource,
     pub at: String,
     pub host: Option<String>,
     pub pid: Option<u32>,
@@ -96,8 +134,7 @@ pub struct PeerRef {
 pub struct Evidence {
     pub group: GroupId,
     pub rank: Rank,
-    /// `room_record`, `down` or `lease_expired`.
-    pub kind: &'static str,
+    pub kind: EvidenceKind,
     pub origin: Option<Origin>,
     pub reason: Reason,
     pub at: String,
@@ -136,7 +173,7 @@ pub struct CompactCulprit {
     pub group: GroupId,
     pub rank: Rank,
     pub reason: Reason,
-    pub source: &'static str,
+    pub source: CulpritSource,
     pub incarnation: Option<Incarnation>,
 }
 
@@ -345,7 +382,7 @@ impl Index {
             .map(|(_, r)| Evidence {
                 group: r.group.clone(),
                 rank: r.rank,
-                kind: "room_record",
+                kind: EvidenceKind::RoomRecord,
                 origin: Some(r.origin),
                 reason: r.reason.clone(),
                 at: time::format_ms(r.at_ms),
@@ -355,7 +392,7 @@ impl Index {
         evidence.extend(deaths.iter().map(|((g, rank, _), d)| Evidence {
             group: g.clone(),
             rank: *rank,
-            kind: death_kind(d),
+            kind: death_evidence(d),
             origin: None,
             reason: d.reason.clone(),
             at: time::format_ms(d.at_ms),
@@ -489,20 +526,15 @@ impl Decision {
     }
 
     /// Who and why, without building the culprit's strings.
-    pub(crate) fn summary(&self, index: &Index, room: RoomId) -> Option<(GroupId, Rank, Reason, &'static str)> {
+    pub(crate) fn summary(&self, index: &Index, room: RoomId) -> Option<(GroupId, Rank, Reason, CulpritSource)> {
         match self {
             Decision::Record { idx } => {
                 let r = index.rooms.get(&room)?.records.get(*idx)?;
-                Some((r.group.clone(), r.rank, r.reason.clone(), "room_record"))
+                Some((r.group.clone(), r.rank, r.reason.clone(), CulpritSource::RoomRecord))
             }
             Decision::Death { key } => {
                 let d = index.deaths.get(key)?;
-                let source = if death_kind(d) == "down" {
-                    "down_certificate"
-                } else {
-                    "lease_expired"
-                };
-                Some((key.0.clone(), key.1, d.reason.clone(), source))
+                Some((key.0.clone(), key.1, d.reason.clone(), death_source(d)))
             }
             Decision::Pending { .. } | Decision::Unknown => None,
         }
@@ -533,7 +565,7 @@ impl Decision {
                     rank: r.rank,
                     reason: r.reason.clone(),
                     detail,
-                    source: "room_record",
+                    source: CulpritSource::RoomRecord,
                     at: time::format_ms(r.at_ms),
                     host,
                     pid,
@@ -554,11 +586,7 @@ impl Decision {
                     rank: *rank,
                     reason: d.reason.clone(),
                     detail: d.detail.clone(),
-                    source: if death_kind(d) == "down" {
-                        "down_certificate"
-                    } else {
-                        "lease_expired"
-                    },
+                    source: death_source(d),
                     at: time::format_ms(d.at_ms),
                     host,
                     pid,
@@ -573,10 +601,18 @@ impl Decision {
     }
 }
 
-fn death_kind(d: &Death) -> &'static str {
+/// What a death is as evidence, and as a culprit's source: the one mapping of the two.
+fn death_evidence(d: &Death) -> EvidenceKind {
     match d.evidence {
-        DeathEvidence::Certificate => "down",
-        DeathEvidence::Vanished | DeathEvidence::CoordinatorCertificate => "lease_expired",
+        DeathEvidence::Certificate => EvidenceKind::Down,
+        DeathEvidence::Vanished | DeathEvidence::CoordinatorCertificate => EvidenceKind::LeaseExpired,
+    }
+}
+
+fn death_source(d: &Death) -> CulpritSource {
+    match death_evidence(d) {
+        EvidenceKind::Down => CulpritSource::DownCertificate,
+        EvidenceKind::LeaseExpired | EvidenceKind::RoomRecord => CulpritSource::LeaseExpired,
     }
 }
 
@@ -667,7 +703,7 @@ fn advice(c: &Culprit, cause: Option<&Culprit>) -> String {
         ),
         "gpu_xid" => format!("{} hit a GPU fault (Xid): drain that GPU or host, then {restart} elsewhere.{again}", who(root)),
         "aborted" => "The request was aborted (by the client, the router or the other side): nothing to repair.".into(),
-        _ if root.source != "room_record" => format!("{} died ({}): {restart}.{again}", who(root), root.reason),
+        _ if root.source != CulpritSource::RoomRecord => format!("{} died ({}): {restart}.{again}", who(root), root.reason),
         _ => format!("{} failed the transfer ({}): see the detail; abort the request.{again}", who(root), root.reason),
     }
 }

@@ -3,7 +3,7 @@
 mod common;
 use common::*;
 use proptest::prelude::*;
-use rootrank_core::{GroupId, Index, Origin, RankStateKind, Status};
+use rootrank_core::{CulpritSource, EvidenceKind, GroupId, Index, Origin, RankStateKind, Status};
 
 const G: &str = "prefill-0";
 const ROOMS: [u64; 3] = [1, 2, 9_223_372_036_854_775_807];
@@ -125,7 +125,7 @@ proptest! {
                         prop_assert_eq!(v.status == Status::Resolved, v.culprit.is_some());
                         let Some(c) = &v.culprit else { continue };
                         prop_assert_ne!(c.reason.as_str(), "shutdown");
-                        if c.source == "room_record" {
+                        if c.source == CulpritSource::RoomRecord {
                             let local = v.evidence.iter().any(|e| e.rank == c.rank && e.origin == Some(Origin::Local));
                             prop_assert!(local, "a culprit record must be local");
                         }
@@ -137,7 +137,7 @@ proptest! {
                             .filter(|e| e.origin != Some(Origin::Propagated))
                             .map(|e| e.revision).min();
                         prop_assert_eq!(culprit_rev, earliest);
-                        if v.evidence.iter().all(|e| e.kind != "room_record") {
+                        if v.evidence.iter().all(|e| e.kind != EvidenceKind::RoomRecord) {
                             continue; // without records the question's time sets the windows
                         }
                         let who = (c.group.to_string(), c.rank, c.incarnation.map(|i| i.to_string()));

@@ -2,7 +2,7 @@
 
 mod common;
 use common::*;
-use rootrank_core::{Action, Output, RankStateKind, Status};
+use rootrank_core::{Action, EvidenceKind, Output, RankStateKind, Status};
 
 const G: &str = "prefill-0";
 const D: &str = "decode-0";
@@ -25,7 +25,7 @@ fn rule1_local_record_names_its_rank_over_propagated_ones() {
     assert_eq!(v.action, Action::Abort);
     let c = v.culprit.unwrap();
     assert_eq!(
-        (c.group.as_str(), c.rank, c.reason.as_str(), c.source),
+        (c.group.as_str(), c.rank, c.reason.as_str(), c.source.as_str()),
         (G, 2, "nixl_error", "room_record")
     );
     assert_eq!(c.pid, Some(1002));
@@ -97,7 +97,7 @@ fn rule2_a_late_watchdog_certificate_refines_the_reason_and_never_moves_the_culp
     w.certify(G, 3, "oom_host", "watchdog");
     let c = w.verdict(15, None).culprit.unwrap();
     assert_eq!(
-        (c.rank, c.reason.as_str(), c.source),
+        (c.rank, c.reason.as_str(), c.source.as_str()),
         (3, "oom_host", "down_certificate")
     );
     // A clean exit claimed after the rank was seen dead is still a death.
@@ -250,11 +250,11 @@ fn rule2_vanished_live_key_after_first_record_is_the_culprit() {
     assert_eq!(v.action, Action::AbortAndRestartGroup);
     let c = v.culprit.unwrap();
     assert_eq!(
-        (c.rank, c.source, c.reason.as_str()),
+        (c.rank, c.source.as_str(), c.reason.as_str()),
         (2, "lease_expired", "lease_expired")
     );
     assert_eq!(c.pid, Some(1002));
-    assert!(v.evidence.iter().any(|e| e.kind == "lease_expired"));
+    assert!(v.evidence.iter().any(|e| e.kind == EvidenceKind::LeaseExpired));
     // The coordinator persisted the death, once.
     let certs = w.kv.keys().filter(|k| k.contains("/down/")).count();
     assert_eq!(certs, 1);
@@ -270,12 +270,15 @@ fn rule2_certificate_names_the_cause_and_refines_a_vanished_key() {
     let v = w.verdict(12, None);
     let c = v.culprit.unwrap();
     assert_eq!(
-        (c.rank, c.source, c.reason.as_str()),
+        (c.rank, c.source.as_str(), c.reason.as_str()),
         (3, "down_certificate", "oom_host")
     );
     assert_eq!(c.log_tail.as_ref().map(Vec::len), Some(2));
     // One death, not two.
-    assert_eq!(v.evidence.iter().filter(|e| e.kind != "room_record").count(), 1);
+    assert_eq!(
+        v.evidence.iter().filter(|e| e.kind != EvidenceKind::RoomRecord).count(),
+        1
+    );
 }
 
 #[test]
@@ -287,7 +290,7 @@ fn rule2_a_coordinator_certificate_never_overrides_a_specific_one() {
     w.record(G, 0, 13, "propagated", "other");
     let c = w.verdict(13, None).culprit.unwrap();
     assert_eq!(
-        (c.rank, c.reason.as_str(), c.source),
+        (c.rank, c.reason.as_str(), c.source.as_str()),
         (1, "gpu_xid", "down_certificate")
     );
 }
@@ -504,7 +507,7 @@ fn resolution_outputs_fire_once_per_room() {
             observed_ms,
             ..
         } => {
-            assert_eq!((*rank, *source), (3, "lease_expired"));
+            assert_eq!((*rank, source.as_str()), (3, "lease_expired"));
             assert_eq!(observed_ms - first_record_observed_ms, 300);
         }
         _ => unreachable!(),
