@@ -97,7 +97,7 @@ pub async fn run(env: &Env, cfg: &DetectionCfg) -> anyhow::Result<Value> {
 }
 
 /// `rootrank node-watch`, if the workspace's `rootrank` binary has it.
-fn node_watch_bin(env: &Env) -> Result<PathBuf, String> {
+pub(crate) fn node_watch_bin(env: &Env) -> Result<PathBuf, String> {
     let bin = std::env::var_os("ROOTRANK_BIN")
         .map(PathBuf::from)
         .or_else(|| env.exe.parent().map(|d| d.join("rootrank")))

@@ -1,6 +1,6 @@
 //! rootrank's benchmark suite: rootrank against its alternatives and its limits, side by side.
 //!
-//! Seven parts, each runnable alone (`rootrank-bench verdicts --conns 16 --duration 5s`, ...)
+//! Eight parts, each runnable alone (`rootrank-bench verdicts --conns 16 --duration 5s`, ...)
 //! or all together (`rootrank-bench all`, which `make bench` runs):
 //!
 //! 1. [`verdicts`]: verdict lookups over HTTP (wrk) vs the same server's `/healthz` (the HTTP
@@ -11,6 +11,7 @@
 //! 5. [`agent_cost`]: what `record_failure` costs the caller, next to a 64 KiB NIXL WRITE.
 //! 6. [`burst`]: a rank fails 500 rooms at once: records batched vs one put each, to verdicts.
 //! 7. [`keepalive`]: ranks one etcd core keeps alive at 5 s and 30 s lease TTLs.
+//! 8. [`node_memory`]: `rootrank node-watch`'s memory with a million records vs none.
 //!
 //! Every figure goes into one JSON file with the machine's facts and the git revision; a
 //! Markdown table and an SVG of the latency distributions are made from it ([`report`]).
@@ -22,6 +23,7 @@ pub mod detection;
 pub mod ingest;
 pub mod keepalive;
 pub mod load;
+pub mod node_memory;
 pub mod procs;
 pub mod report;
 pub mod scale;
@@ -45,6 +47,7 @@ pub struct Suite {
     pub agent: Option<agent_cost::AgentCfg>,
     pub burst: Option<burst::BurstCfg>,
     pub keepalive: Option<keepalive::KeepaliveCfg>,
+    pub node_memory: Option<node_memory::NodeMemoryCfg>,
 }
 
 impl Suite {
@@ -57,6 +60,7 @@ impl Suite {
             agent: Some(agent_cost::AgentCfg::full()),
             burst: Some(burst::BurstCfg::full()),
             keepalive: Some(keepalive::KeepaliveCfg::full()),
+            node_memory: Some(node_memory::NodeMemoryCfg::full()),
         }
     }
     /// Tiny sizes, seconds long: for `cargo test` and `make bench-smoke`.
@@ -69,6 +73,7 @@ impl Suite {
             agent: Some(agent_cost::AgentCfg::smoke()),
             burst: Some(burst::BurstCfg::smoke()),
             keepalive: Some(keepalive::KeepaliveCfg::smoke()),
+            node_memory: Some(node_memory::NodeMemoryCfg::smoke()),
         }
     }
 }
@@ -102,6 +107,7 @@ pub async fn run(env: &Env, suite: &Suite, mode: &str) -> Value {
     part!("agent", suite.agent, agent_cost::run);
     part!("burst", suite.burst, burst::run);
     part!("keepalive", suite.keepalive, keepalive::run);
+    part!("node_memory", suite.node_memory, node_memory::run);
     let mut results = json!({
         "schema": "rootrank-bench/1",
         "mode": mode,

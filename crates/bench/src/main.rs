@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use rootrank_bench::{
-    agent_cost, burst, detection, ingest, keepalive, scale, util::parse_duration, verdicts, Env, Suite,
+    agent_cost, burst, detection, ingest, keepalive, node_memory, scale, util::parse_duration, verdicts, Env, Suite,
 };
 
 // Counts allocations only while the core-index measurement turns it on (see alloc.rs).
@@ -141,6 +141,15 @@ enum Cmd {
         variants: Vec<String>,
         #[arg(long, default_value = "10s")]
         window: String,
+        #[command(flatten)]
+        out: Out,
+    },
+    /// 8. node-watch memory with a million room records in etcd vs none.
+    NodeMemory {
+        #[arg(long, default_value_t = 1_000_000)]
+        records: usize,
+        #[arg(long, default_value_t = 1_000)]
+        groups: usize,
         #[command(flatten)]
         out: Out,
     },
@@ -347,6 +356,14 @@ fn real_main() -> anyhow::Result<ExitCode> {
             },
             "keepalive",
             out.out.unwrap_or_else(|| PathBuf::from("bench-results/keepalive")),
+        ),
+        Cmd::NodeMemory { records, groups, out } => (
+            Suite {
+                node_memory: Some(node_memory::NodeMemoryCfg { records, groups }),
+                ..Suite::default()
+            },
+            "node_memory",
+            out.out.unwrap_or_else(|| PathBuf::from("bench-results/node_memory")),
         ),
         Cmd::Agent {
             calls,

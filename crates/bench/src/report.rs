@@ -539,6 +539,17 @@ pub fn markdown(results: &Value) -> String {
             );
         }
     }
+    let n = &s["node_memory"];
+    if n.is_object() {
+        let mib = |v: &Value| num(&json!(f(v) / 1048576.0), 1);
+        let _ = writeln!(
+            m,
+            "\n## 8. node-watch memory\n\n| etcd holds | RSS MiB | peak RSS MiB | start to loaded s |\n|---|---|---|---|\n| nothing | {} | {} | {} |\n| {} room records | {} | {} | {} |\n\nRSS ratio: {}",
+            mib(&n["empty"]["rss_bytes"]), mib(&n["empty"]["hwm_bytes"]), num(&n["empty"]["start_to_loaded_s"], 2),
+            n["setup"]["records"], mib(&n["populated"]["rss_bytes"]), mib(&n["populated"]["hwm_bytes"]),
+            num(&n["populated"]["start_to_loaded_s"], 2), num(&n["rss_ratio"], 2)
+        );
+    }
     let _ = writeln!(
         m,
         "\nLatency distributions: `latency.svg`. All figures: `results.json`."

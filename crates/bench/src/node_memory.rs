@@ -1,0 +1,121 @@
+//! Part 8: `rootrank node-watch`'s memory with a million room records in etcd, next to an
+//! empty etcd, in the same run. The node watchdog runs on every host; it needs the live keys
+//! and certificate ids, never the room records, so its memory must not grow with them.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use rootrank_core::{GroupId, Keys, RoomId};
+use serde_json::{json, Value};
+
+use crate::procs::{self, Env};
+use crate::state::{self, Put};
+use crate::util::rss_bytes;
+
+#[derive(Clone, Debug)]
+pub struct NodeMemoryCfg {
+    pub records: usize,
+    pub groups: usize,
+}
+
+impl NodeMemoryCfg {
+    pub fn full() -> Self {
+        NodeMemoryCfg {
+            records: 1_000_000,
+            groups: 1_000,
+        }
+    }
+    pub fn smoke() -> Self {
+        NodeMemoryCfg {
+            records: 1_000,
+            groups: 4,
+        }
+    }
+}
+
+const PREFIX: &str = crate::verdicts::PREFIX;
+const EMPTY_PREFIX: &str = "/rootrank-empty/v1";
+const RANKS: u32 = 8;
+
+pub async fn run(env: &Env, cfg: &NodeMemoryCfg) -> anyhow::Result<Value> {
+    let bin = crate::detection::node_watch_bin(env).map_err(|e| anyhow::anyhow!(e))?;
+    let dir = env.subdir("node-memory")?;
+    let etcd = procs::start_etcd(&dir, &["--quota-backend-bytes".into(), (8u64 << 30).to_string()])?;
+    let endpoint = etcd.endpoint();
+    let clients = state::clients(&endpoint, 8).await?;
+
+    let empty = measure(&bin, &dir, &endpoint, EMPTY_PREFIX).await?;
+
+    let t = Instant::now();
+    let keys = Keys::new(PREFIX);
+    let gids: Vec<GroupId> = (0..cfg.groups.max(1))
+        .map(|g| GroupId::new(&state::group_name("node", g)))
+        .collect::<Result<_, _>>()?;
+    let retention = clients[0].clone().lease_grant(24 * 3600, None).await?.id();
+    let now = rootrank_store::unix_ms();
+    let rooms = cfg.records.div_ceil(RANKS as usize);
+    let mut written = 0;
+    let mut start = 0;
+    while start < rooms {
+        let end = (start + 20_000).min(rooms);
+        let mut puts = Vec::with_capacity((end - start) * RANKS as usize);
+        for i in start..end {
+            let gid = &gids[i % gids.len()];
+            let room = state::room_id(8, i as u64);
+            for r in 0..RANKS {
+                puts.push(Put {
+                    key: keys.room(gid, RoomId::new(room)?, r),
+                    value: state::record_value(gid, r, room, r == 0, now)?,
+                    lease: Some(retention),
+                });
+            }
+        }
+        written += state::write_all(&clients, puts, 8).await?;
+        start = end;
+    }
+    let write_s = t.elapsed().as_secs_f64();
+    let populated = measure(&bin, &dir, &endpoint, PREFIX).await?;
+    let (e, p) = (empty["rss_bytes"].as_f64(), populated["rss_bytes"].as_f64());
+    Ok(json!({
+        "setup": {
+            "records": written, "groups": cfg.groups, "write_s": write_s,
+            "how": "rootrank node-watch started on an empty prefix, then on one holding the records (room records only: a host's watchdog needs live keys and certificate ids); RSS and peak RSS (VmHWM) read once it logs that it loaded the ranks from etcd",
+        },
+        "empty": empty,
+        "populated": populated,
+        "rss_ratio": match (e, p) { (Some(e), Some(p)) if e > 0.0 => p / e, _ => f64::NAN },
+    }))
+}
+
+async fn measure(bin: &std::path::Path, dir: &std::path::Path, endpoint: &str, prefix: &str) -> anyhow::Result<Value> {
+    let log_path = dir.join(format!("node-watch{}.log", prefix.replace('/', "_")));
+    let log = std::fs::File::create(&log_path)?;
+    let started = Instant::now();
+    let mut child = std::process::Command::new(bin)
+        .args(["node-watch", "--etcd-endpoints", endpoint, "--prefix", prefix])
+        .stdin(std::process::Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        .spawn()
+        .with_context(|| format!("spawning {}", bin.display()))?;
+    let pid = child.id();
+    let loaded = loop {
+        let text = std::fs::read_to_string(&log_path).unwrap_or_default();
+        if text.contains("node watchdog loaded the ranks from etcd") {
+            break started.elapsed();
+        }
+        if let Ok(Some(st)) = child.try_wait() {
+            bail!("node-watch exited ({st}); log {}", log_path.display());
+        }
+        if started.elapsed() > Duration::from_secs(300) {
+            let _ = child.kill();
+            bail!("node-watch did not load in 300 s; log {}", log_path.display());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (rss, hwm) = rss_bytes(pid)?;
+    let _ = child.kill();
+    let _ = child.wait();
+    Ok(json!({"prefix": prefix, "rss_bytes": rss, "hwm_bytes": hwm, "start_to_loaded_s": loaded.as_secs_f64()}))
+}
