@@ -11,7 +11,7 @@ use clap::Parser;
 fn main() -> ExitCode {
     // SAFETY: first thing in main, before any thread exists. The simulated ranks (this binary)
     // run NIXL over UCX; the library never sets the environment itself.
-    unsafe { rootrank_pd::set_ucx_defaults_before_threads() };
+    unsafe { rootrank_transfer_agent::set_ucx_defaults_before_threads() };
     let cli = cmd::Cli::parse();
     init_tracing(cli.json_logs);
     match cmd::run(cli) {

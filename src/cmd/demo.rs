@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use rootrank_coordinator::CoordinatorConfig;
-use rootrank_pd::sim::parent::{Fault, FaultKind, RoomSummary, SimConfig};
-use rootrank_pd::sim::rank::culprit_error;
+use rootrank_sim::parent::{Fault, FaultKind, RoomSummary, SimConfig};
+use rootrank_sim::rank::culprit_error;
 use rootrank_store::embedded::{EmbeddedEtcd, EtcdOptions};
 use serde_json::Value;
 
@@ -25,7 +25,7 @@ const KILL_RANK: u32 = 1;
 const KILL_AT: u64 = 5;
 
 pub fn run(_a: DemoArgs) -> anyhow::Result<ExitCode> {
-    let lib = rootrank_pd::load_nixl(None).context(
+    let lib = rootrank_transfer_agent::load_nixl(None).context(
         "rootrank demo runs real NIXL transfers and needs the NIXL runtime: run `make nixl` or `scripts/fetch-nixl.sh`",
     )?;
     let started = Instant::now();
@@ -139,7 +139,7 @@ async fn story(
          {KILL_RANK} is SIGKILLed (no log line, like the OOM killer).\n"
     );
     let mut print = |s: &RoomSummary| println!("  {}", s.line());
-    let report = rootrank_pd::sim::parent::run(config, std::future::pending::<()>(), &mut print).await?;
+    let report = rootrank_sim::parent::run(config, std::future::pending::<()>(), &mut print).await?;
 
     for (title, idx, rank) in [
         ("a transfer failure", FAIL_AT, FAIL_RANK),

@@ -3,7 +3,7 @@
 use std::process::ExitCode;
 
 use anyhow::Context;
-use rootrank_pd::sim::RankOpts;
+use rootrank_sim::RankOpts;
 
 #[derive(clap::Args, Debug)]
 pub struct SimRankArgs {
@@ -14,6 +14,6 @@ pub struct SimRankArgs {
 
 pub fn run(a: SimRankArgs) -> anyhow::Result<ExitCode> {
     let opts: RankOpts = serde_json::from_str(&a.opts).context("--opts is not a sim-rank JSON")?;
-    rootrank_pd::sim::rank::run(opts)?;
+    rootrank_sim::rank::run(opts)?;
     Ok(ExitCode::SUCCESS)
 }

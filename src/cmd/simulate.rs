@@ -1,10 +1,10 @@
-//! `rootrank simulate`: a simulated PD deployment with real NIXL transfers (see rootrank-pd).
+//! `rootrank simulate`: a simulated PD deployment with real NIXL transfers (see crates/sim).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::{bail, Context};
-use rootrank_pd::sim::parent::{Fault, FaultKind, RoomSummary, SimConfig, SimReport};
+use rootrank_sim::parent::{Fault, FaultKind, RoomSummary, SimConfig, SimReport};
 
 use super::EtcdArgs;
 
@@ -110,7 +110,7 @@ pub fn config(a: &SimulateArgs) -> anyhow::Result<SimConfig> {
     if a.etcd.etcd_endpoints.is_empty() {
         bail!("no etcd endpoints: pass --etcd-endpoints URL[,URL...] or set ROOTRANK_ETCD_ENDPOINTS (or try `rootrank demo`)");
     }
-    let lib = rootrank_pd::load_nixl(a.nixl_dir.as_deref())?;
+    let lib = rootrank_transfer_agent::load_nixl(a.nixl_dir.as_deref())?;
     let log_dir = a
         .log_dir
         .clone()
@@ -150,7 +150,7 @@ pub fn run(a: SimulateArgs) -> anyhow::Result<ExitCode> {
         }
     };
     // block_on keeps the ranks' spawning thread (their PDEATHSIG parent) the main thread.
-    let report = rt.block_on(rootrank_pd::sim::parent::run(config, shutdown_signal(), &mut print))?;
+    let report = rt.block_on(rootrank_sim::parent::run(config, shutdown_signal(), &mut print))?;
     if json {
         println!("{}", serde_json::to_string(&report)?);
     } else {
@@ -192,7 +192,7 @@ pub fn final_summary(r: &SimReport) -> String {
         .rooms
         .iter()
         .flat_map(|room| room.reports.iter())
-        .filter(|rep| rep.own == rootrank_pd::sim::kvpoll::SUCCESS)
+        .filter(|rep| rep.own == rootrank_sim::kvpoll::SUCCESS)
         .filter_map(|rep| rep.transfer_us)
         .collect();
     if !times.is_empty() {

@@ -22,13 +22,14 @@ use rootrank_transfer::RemoteRegion;
 use tracing::{debug, error, info, info_span, warn};
 
 use super::{kvpoll, RankOpts, RankRoomReport, Role, GENERIC_SENDER_ERROR};
-use crate::error::PdError;
-use crate::transfer_agent::{PdAgent, PeerRef};
-use crate::{pattern, NixlLibrary};
+use crate::pattern;
+use crate::SimError;
+use rootrank_transfer_agent::NixlLibrary;
+use rootrank_transfer_agent::{PeerRef, RankAgent};
 
 /// Runs a rank until the parent says `exit` (or goes away).
-pub fn run(opts: RankOpts) -> Result<(), PdError> {
-    let lib = crate::load_nixl(opts.nixl_dir.as_deref())?;
+pub fn run(opts: RankOpts) -> Result<(), SimError> {
+    let lib = rootrank_transfer_agent::load_nixl(opts.nixl_dir.as_deref())?;
     let span = info_span!("sim_rank", role = opts.role.as_str(), group = %opts.group, rank = opts.rank);
     let _enter = span.enter();
     match opts.role {
@@ -37,7 +38,7 @@ pub fn run(opts: RankOpts) -> Result<(), PdError> {
     }
 }
 
-fn agent_config(opts: &RankOpts) -> Result<AgentConfig, PdError> {
+fn agent_config(opts: &RankOpts) -> Result<AgentConfig, SimError> {
     let mut c = AgentConfig::new(
         opts.etcd_endpoints.clone(),
         &opts.group,
@@ -61,7 +62,7 @@ struct Hub {
 }
 
 impl Hub {
-    fn connect(addr: &str) -> Result<Hub, PdError> {
+    fn connect(addr: &str) -> Result<Hub, SimError> {
         let stream = TcpStream::connect(addr)?;
         stream.set_nodelay(true)?;
         Ok(Hub {
@@ -71,14 +72,14 @@ impl Hub {
         })
     }
 
-    fn send(&mut self, line: &str) -> Result<(), PdError> {
+    fn send(&mut self, line: &str) -> Result<(), SimError> {
         self.writer.write_all(line.as_bytes())?;
         self.writer.write_all(b"\n")?;
         Ok(())
     }
 
     /// The next line from the socket (not the deferred queue); `None` when the parent is gone.
-    fn read_socket(&mut self) -> Result<Option<String>, PdError> {
+    fn read_socket(&mut self) -> Result<Option<String>, SimError> {
         let mut line = String::new();
         if self.reader.read_line(&mut line)? == 0 {
             return Ok(None);
@@ -86,7 +87,7 @@ impl Hub {
         Ok(Some(line.trim_end().to_string()))
     }
 
-    fn next(&mut self) -> Result<Option<String>, PdError> {
+    fn next(&mut self) -> Result<Option<String>, SimError> {
         if let Some(l) = self.deferred.pop_front() {
             return Ok(Some(l));
         }
@@ -94,7 +95,7 @@ impl Hub {
     }
 
     /// Waits for a line starting with `want`, deferring room messages; `None` on `exit` or EOF.
-    fn wait_for(&mut self, want: &str) -> Result<Option<String>, PdError> {
+    fn wait_for(&mut self, want: &str) -> Result<Option<String>, SimError> {
         loop {
             let Some(line) = self.read_socket()? else {
                 return Ok(None);
@@ -110,17 +111,17 @@ impl Hub {
     }
 }
 
-fn prefill(lib: &NixlLibrary, opts: &RankOpts) -> Result<(), PdError> {
+fn prefill(lib: &NixlLibrary, opts: &RankOpts) -> Result<(), SimError> {
     let mut hub = Hub::connect(&opts.hub)?;
     let shard = opts.block_size * opts.chunks as usize;
-    let mut agent = PdAgent::start(lib, agent_config(opts)?, &[shard], START_WITHIN)?;
+    let mut agent = RankAgent::start(lib, agent_config(opts)?, &[shard], START_WITHIN)?;
     let peer = PeerRef::new(&opts.peer_group, opts.rank);
     agent.connect_peer(&peer, START_WITHIN)?;
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let http = reqwest::Client::builder()
         .timeout(Duration::from_millis(opts.verdict_wait_ms + 5_000))
         .build()
-        .map_err(|e| PdError::Sim(format!("HTTP client: {e}")))?;
+        .map_err(|e| SimError::Sim(format!("HTTP client: {e}")))?;
     hub.send(&format!("hello prefill {} {}", opts.rank, std::process::id()))?;
     info!(peer_agent = ?agent.peer_info(&peer).agent, "prefill rank ready");
 
@@ -138,7 +139,7 @@ fn prefill(lib: &NixlLibrary, opts: &RankOpts) -> Result<(), PdError> {
                 else {
                     break; // the parent said exit (or went away) mid-room
                 };
-                let json = serde_json::to_string(&report).map_err(|e| PdError::Sim(e.to_string()))?;
+                let json = serde_json::to_string(&report).map_err(|e| SimError::Sim(e.to_string()))?;
                 hub.send(&format!("done {json}"))?;
             }
             _ => debug!(line, "ignored hub message"),
@@ -151,7 +152,7 @@ fn prefill(lib: &NixlLibrary, opts: &RankOpts) -> Result<(), PdError> {
 
 #[allow(clippy::too_many_arguments)]
 fn prefill_room(
-    agent: &mut PdAgent,
+    agent: &mut RankAgent,
     hub: &mut Hub,
     rt: &tokio::runtime::Runtime,
     http: &reqwest::Client,
@@ -160,7 +161,7 @@ fn prefill_room(
     idx: u64,
     room: u64,
     fault: &str,
-) -> Result<Option<RankRoomReport>, PdError> {
+) -> Result<Option<RankRoomReport>, SimError> {
     let span = info_span!("room", group = %opts.group, rank = opts.rank, room, idx);
     let _enter = span.enter();
     let block = opts.block_size;
@@ -350,12 +351,12 @@ struct Arrivals {
     last: Option<u32>,
 }
 
-fn decode(lib: &NixlLibrary, opts: &RankOpts) -> Result<(), PdError> {
+fn decode(lib: &NixlLibrary, opts: &RankOpts) -> Result<(), SimError> {
     let mut hub = Hub::connect(&opts.hub)?;
     let slots = u64::from(opts.slots.max(1));
     let chunks = opts.chunks.max(1);
     let slot_len = opts.block_size * chunks as usize;
-    let mut agent = PdAgent::start(lib, agent_config(opts)?, &[slot_len * slots as usize], START_WITHIN)?;
+    let mut agent = RankAgent::start(lib, agent_config(opts)?, &[slot_len * slots as usize], START_WITHIN)?;
     hub.send(&format!("hello decode {} {}", opts.rank, std::process::id()))?;
     info!("decode rank ready");
 

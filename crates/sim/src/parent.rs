@@ -14,7 +14,7 @@ use tokio::sync::mpsc;
 use tracing::{debug, info, warn};
 
 use super::{kvpoll, RankOpts, RankRoomReport, Role};
-use crate::error::PdError;
+use crate::SimError;
 
 /// A fault to inject, at the moment room `at_room` (0-based index) is issued.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -201,10 +201,10 @@ impl Drop for Children {
     }
 }
 
-fn spawn_rank(config: &SimConfig, opts: &RankOpts) -> Result<Child, PdError> {
+fn spawn_rank(config: &SimConfig, opts: &RankOpts) -> Result<Child, SimError> {
     let log_path = config.log_dir.join(format!("{}-{}.log", opts.group, opts.rank));
     let log = std::fs::OpenOptions::new().create(true).append(true).open(&log_path)?;
-    let json = serde_json::to_string(opts).map_err(|e| PdError::Sim(e.to_string()))?;
+    let json = serde_json::to_string(opts).map_err(|e| SimError::Sim(e.to_string()))?;
     let parent = std::process::id() as i32;
     let mut cmd = Command::new(&config.exe);
     cmd.arg("sim-rank")
@@ -260,20 +260,20 @@ pub async fn run(
     config: SimConfig,
     shutdown: impl std::future::Future<Output = ()>,
     on_room: &mut dyn FnMut(&RoomSummary),
-) -> Result<SimReport, PdError> {
+) -> Result<SimReport, SimError> {
     if config.ranks == 0 || config.ranks > 256 {
-        return Err(PdError::Sim(format!("--ranks {}: 1..=256", config.ranks)));
+        return Err(SimError::Sim(format!("--ranks {}: 1..=256", config.ranks)));
     }
     for f in &config.faults {
         if f.rank >= config.ranks {
-            return Err(PdError::Sim(format!(
+            return Err(SimError::Sim(format!(
                 "fault {:?} names rank {} of a group of {}",
                 f.kind, f.rank, config.ranks
             )));
         }
     }
     if !(config.room_rate > 0.0 && config.room_rate.is_finite()) {
-        return Err(PdError::Sim(
+        return Err(SimError::Sim(
             "--room-rate must be a positive number of rooms per second".into(),
         ));
     }
@@ -380,19 +380,19 @@ pub async fn run(
                         let tail = std::fs::read_to_string(&log).unwrap_or_default();
                         let tail: Vec<&str> = tail.lines().rev().take(5).collect();
                         let tail: Vec<&str> = tail.into_iter().rev().collect();
-                        return Err(PdError::Sim(format!(
+                        return Err(SimError::Sim(format!(
                             "{} rank {rank} exited during start-up ({status}); {}:\n{}",
                             role.as_str(), log.display(), tail.join("\n"))));
                     }
                 }
                 if Instant::now() > start_deadline {
-                    return Err(PdError::Sim(format!(
+                    return Err(SimError::Sim(format!(
                         "only {} of {} ranks came up within 90 s; logs in {}",
                         who.len(), 2 * config.ranks, config.log_dir.display())));
                 }
             }
             _ = &mut shutdown => {
-                return Err(PdError::Sim("stopped during start-up".into()));
+                return Err(SimError::Sim("stopped during start-up".into()));
             }
         }
     }
@@ -525,7 +525,7 @@ pub async fn run(
                     }
                 }
             }
-            let room = crate::random_room();
+            let room = rootrank_transfer_agent::random_room();
             for f in &faults {
                 match f.kind {
                     FaultKind::KillPrefill => {
@@ -583,7 +583,7 @@ pub async fn run(
         }
 
         if restarting.is_some() && now > restart_deadline {
-            return Err(PdError::Sim(format!(
+            return Err(SimError::Sim(format!(
                 "a restarted rank ({restarting:?}) did not come back within 60 s; logs in {}",
                 config.log_dir.display()
             )));

@@ -1,13 +1,13 @@
-//! Typed errors of the embedded transfer agent and the simulator.
+//! Typed errors of a rank's transfer agent.
 
 use rootrank_agent::AgentError;
 use rootrank_core::Peer;
 use rootrank_store::StoreError;
 use rootrank_transfer::TransferError;
 
-/// What stopped the transfer agent or the simulator; every message says what to check.
+/// What stopped the transfer agent; every message says what to check.
 #[derive(Debug, thiserror::Error)]
-pub enum PdError {
+pub enum TransferAgentError {
     #[error(transparent)]
     Transfer(#[from] TransferError),
     #[error(transparent)]
@@ -46,8 +46,16 @@ pub enum PdError {
         index: usize,
         count: usize,
     },
-    #[error("simulator: {0}")]
-    Sim(String),
+    #[error("could not encode this rank's NIXL record: {0}")]
+    Encode(#[from] serde_json::Error),
+    #[error("peer group {group:?} is not a valid group id: {source}")]
+    BadPeerGroup {
+        group: String,
+        #[source]
+        source: rootrank_core::IdError,
+    },
+    #[error("etcd did not answer a read of {key} within {waited_ms} ms: is etcd reachable?")]
+    EtcdSlow { key: String, waited_ms: u64 },
 }
 
 /// A transfer for a room failed. It was recorded as a `local` RoomFailure (unless the

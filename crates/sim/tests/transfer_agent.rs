@@ -7,9 +7,10 @@ use std::process::Command;
 use std::time::Duration;
 
 use rootrank_agent::AgentConfig;
-use rootrank_pd::{pattern, random_room, NixlLibrary, PdAgent, PeerRef};
+use rootrank_sim::pattern;
 use rootrank_testkit::Etcd;
 use rootrank_transfer::RemoteRegion;
+use rootrank_transfer_agent::{random_room, NixlLibrary, PeerRef, RankAgent};
 
 const LEN: usize = 1 << 20;
 const WAIT: Duration = Duration::from_secs(30);
@@ -48,7 +49,7 @@ fn record(etcd: &str, rt: &tokio::runtime::Runtime, room: u64) -> serde_json::Va
     })
 }
 
-fn wait_notification(agent: &mut PdAgent, tag: &str) {
+fn wait_notification(agent: &mut RankAgent, tag: &str) {
     for _ in 0..3000 {
         if agent
             .notifications()
@@ -73,8 +74,8 @@ fn writes_failures_and_a_restarted_peer() {
         .build()
         .expect("rt");
 
-    let mut decode = PdAgent::start(&lib, config(&ep, "decode-0", 1), &[LEN], WAIT).expect("decode agent");
-    let mut prefill = PdAgent::start(&lib, config(&ep, "prefill-0", 1), &[LEN], WAIT).expect("prefill agent");
+    let mut decode = RankAgent::start(&lib, config(&ep, "decode-0", 1), &[LEN], WAIT).expect("decode agent");
+    let mut prefill = RankAgent::start(&lib, config(&ep, "prefill-0", 1), &[LEN], WAIT).expect("prefill agent");
     let peer = PeerRef::new("decode-0", 1);
     prefill.connect_peer(&peer, WAIT).expect("peer metadata from etcd");
     assert_eq!(prefill.peer_info(&peer).agent.as_deref(), Some(decode.name()));
@@ -134,7 +135,7 @@ fn writes_failures_and_a_restarted_peer() {
 
     // It comes back as a new process would: a new NIXL agent for the same rank. The failed
     // write marked the peer stale, so the next write reloads it from etcd by itself.
-    let mut decode2 = PdAgent::start(&lib, config(&ep, "decode-0", 1), &[LEN], WAIT).expect("restarted decode");
+    let mut decode2 = RankAgent::start(&lib, config(&ep, "decode-0", 1), &[LEN], WAIT).expect("restarted decode");
     assert_ne!(decode2.name(), old_name);
     let room = random_room();
     fill_source(&mut prefill, room);
@@ -149,7 +150,7 @@ fn writes_failures_and_a_restarted_peer() {
     assert!(decode2.shutdown(Duration::from_secs(10)));
 }
 
-fn fill_source(agent: &mut PdAgent, room: u64) {
+fn fill_source(agent: &mut RankAgent, room: u64) {
     let mut src = vec![0u8; LEN];
     pattern::fill(&mut src, room, 1, 0);
     agent.write_region(0, 0, &src).expect("src");

@@ -1,22 +1,16 @@
-//! The embedded transfer agent and a simulated PD deployment.
+//! A rank's transfer agent: the NIXL transfer path (rootrank-transfer) with the rootrank
+//! agent built in ([`RankAgent`]). It publishes its NIXL metadata on the rank's liveness
+//! lease, loads peers' metadata from etcd (and reloads it when a peer restarts), and turns
+//! every transfer error into a first-hand (`local`) room failure record naming the peer.
 //!
-//! - [`transfer_agent`]: the NIXL transfer path (rootrank-transfer) with the rootrank agent
-//!   built in. It publishes its NIXL metadata on the rank's liveness lease, loads peers'
-//!   metadata from etcd (and reloads it when a peer restarts), and turns every transfer error
-//!   into a first-hand (`local`) room failure record naming the peer.
-//! - [`sim`]: `rootrank simulate`'s engine: one OS process per rank, prefill ranks WRITE KV
-//!   shards into decode ranks' DRAM through real NIXL, prefill ranks MIN-all-reduce their poll
-//!   states over a hub of their own (like gloo, outside rootrank), and the survivors of a
-//!   failure ask the coordinator where SGLang would raise its generic `KVTransferError`.
+//! The simulated deployment that runs ranks built on it is another crate (`rootrank-sim`).
 
 pub mod error;
 pub mod hex;
-pub mod pattern;
-pub mod sim;
 pub mod transfer_agent;
 
-pub use error::{PdError, RoomTransferError};
-pub use transfer_agent::{NixlRecord, PdAgent, PeerRef, NIXL_SUFFIX};
+pub use error::{RoomTransferError, TransferAgentError};
+pub use transfer_agent::{NixlRecord, PeerRef, RankAgent, NIXL_SUFFIX};
 
 pub use rootrank_transfer::{set_ucx_defaults_before_threads, NixlLibrary, TransferError, NIXL_DIR_ENV};
 
@@ -40,10 +34,9 @@ pub fn random_u64() -> u64 {
     if n == 8 {
         return u64::from_ne_bytes(buf);
     }
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64);
-    pattern::splitmix64(nanos ^ (u64::from(std::process::id()) << 32))
+    // std's RandomState is seeded from the OS once per process and per instance.
+    use std::hash::BuildHasher;
+    std::collections::hash_map::RandomState::new().hash_one(std::time::SystemTime::now())
 }
 
 /// A bootstrap_room as SGLang's Rust gateway mints it: `rand::random::<u64>() & i64::MAX`.

@@ -1,5 +1,6 @@
-//! A simulated PD deployment: `rootrank simulate` (the [`parent`]) and its rank processes
-//! (`rootrank sim-rank`, the [`rank`] module).
+//! A simulated PD deployment on one machine: `rootrank simulate` and `rootrank demo` (the
+//! [`parent`]) and its rank processes
+//! (`rootrank sim-rank`, the [`rank`] module), built on `rootrank-transfer-agent`.
 //!
 //! The parent plays SGLang's launcher and router, and the gloo group of the prefill ranks:
 //! it spawns one process per rank, mints rooms, and runs a small TCP hub over which the
@@ -21,7 +22,27 @@
 //! ```
 
 pub mod parent;
+pub mod pattern;
 pub mod rank;
+
+/// What stopped the simulator; every message says what to check.
+#[derive(Debug, thiserror::Error)]
+pub enum SimError {
+    #[error(transparent)]
+    TransferAgent(#[from] rootrank_transfer_agent::TransferAgentError),
+    #[error(transparent)]
+    Transfer(#[from] rootrank_transfer_agent::TransferError),
+    #[error(transparent)]
+    Agent(#[from] rootrank_agent::AgentError),
+    #[error(transparent)]
+    Store(#[from] rootrank_store::StoreError),
+    #[error("etcd request failed: {0}")]
+    Etcd(#[from] rootrank_store::etcd_client::Error),
+    #[error("could not start a process, thread or socket: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("simulator: {0}")]
+    Sim(String),
+}
 
 use std::path::PathBuf;
 

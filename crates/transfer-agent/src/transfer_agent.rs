@@ -1,4 +1,4 @@
-//! The embedded transfer agent: a NIXL agent and a rootrank agent in one rank process.
+//! A rank's transfer agent: a NIXL agent and a rootrank agent in one rank process.
 //!
 //! On start it creates the NIXL agent (named by a random UUID, as SGLang does), registers its
 //! DRAM regions, starts the rootrank agent and keeps a [`NixlRecord`] (metadata and region
@@ -17,7 +17,7 @@ use rootrank_transfer::{NixlLibrary, RegionId, RemoteRegion, TransferAgent, Tran
 use serde::{Deserialize, Serialize};
 use tracing::{debug, info, warn};
 
-use crate::error::{PdError, RoomTransferError};
+use crate::error::{RoomTransferError, TransferAgentError};
 
 /// The liveness-lease key suffix holding a rank's [`NixlRecord`].
 pub const NIXL_SUFFIX: &str = "nixl";
@@ -69,7 +69,7 @@ struct LoadedPeer {
 }
 
 /// A rank's NIXL agent with the rootrank agent built in. See the module docs.
-pub struct PdAgent {
+pub struct RankAgent {
     // Field order is drop order: NIXL goes before the rootrank agent, so a peer never sees
     // our metadata key outlive the agent it describes by more than a lease.
     nixl: TransferAgent,
@@ -88,9 +88,9 @@ pub struct PdAgent {
     rt: tokio::runtime::Runtime,
 }
 
-impl std::fmt::Debug for PdAgent {
+impl std::fmt::Debug for RankAgent {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PdAgent")
+        f.debug_struct("RankAgent")
             .field("group", &self.group)
             .field("rank", &self.rank)
             .field("nixl", &self.nixl)
@@ -103,7 +103,7 @@ const ETCD_READ_TIMEOUT: Duration = Duration::from_secs(1);
 /// How long refreshes and disconnect checks skip etcd after a failed read.
 const ETCD_QUIET: Duration = Duration::from_secs(5);
 
-impl PdAgent {
+impl RankAgent {
     /// Creates the NIXL agent, registers one DRAM region per entry of `region_sizes`, starts
     /// the rootrank agent (with `nixl_agent` set) and waits up to `register_within` for it to
     /// register and publish the NIXL record.
@@ -112,7 +112,7 @@ impl PdAgent {
         mut config: AgentConfig,
         region_sizes: &[usize],
         register_within: Duration,
-    ) -> Result<PdAgent, PdError> {
+    ) -> Result<RankAgent, TransferAgentError> {
         let group = config.group.to_string();
         let rank = config.rank;
         let name = crate::random_uuid();
@@ -139,9 +139,9 @@ impl PdAgent {
         let keys = Keys::new(&config.prefix);
         config.nixl_agent = Some(name.clone());
         let agent = Agent::start(config)?;
-        let value = serde_json::to_vec(&record).map_err(|e| PdError::Sim(format!("encoding the NIXL record: {e}")))?;
+        let value = serde_json::to_vec(&record)?;
         agent.attach_to_liveness(NIXL_SUFFIX, value)?;
-        let not_registered = || PdError::NotRegistered {
+        let not_registered = || TransferAgentError::NotRegistered {
             group: group.clone(),
             rank,
             secs: register_within.as_secs(),
@@ -153,7 +153,7 @@ impl PdAgent {
             return Err(not_registered());
         }
         info!(group = %group, rank, nixl_agent = %name, "transfer agent started");
-        Ok(PdAgent {
+        Ok(RankAgent {
             nixl,
             regions,
             peers: HashMap::new(),
@@ -179,32 +179,35 @@ impl PdAgent {
 
     /// Copies bytes `offset..offset + out.len()` of local region `index` into `out` (read
     /// after its writer's notification; see `rootrank_transfer::Agent::read_region`).
-    pub fn read_region(&self, index: usize, offset: usize, out: &mut [u8]) -> Result<(), PdError> {
+    pub fn read_region(&self, index: usize, offset: usize, out: &mut [u8]) -> Result<(), TransferAgentError> {
         Ok(self.nixl.read_region(self.region_id(index)?, offset, out)?)
     }
 
     /// A copy of local region `index`.
-    pub fn region_to_vec(&self, index: usize) -> Result<Vec<u8>, PdError> {
+    pub fn region_to_vec(&self, index: usize) -> Result<Vec<u8>, TransferAgentError> {
         Ok(self.nixl.region_to_vec(self.region_id(index)?)?)
     }
 
     /// Copies `data` into local region `index` at `offset` (to fill a source buffer).
-    pub fn write_region(&mut self, index: usize, offset: usize, data: &[u8]) -> Result<(), PdError> {
+    pub fn write_region(&mut self, index: usize, offset: usize, data: &[u8]) -> Result<(), TransferAgentError> {
         let id = self.region_id(index)?;
         Ok(self.nixl.write_region(id, offset, data)?)
     }
 
-    fn region_id(&self, index: usize) -> Result<RegionId, PdError> {
-        self.regions.get(index).copied().ok_or_else(|| PdError::NoSuchRegion {
-            group: self.group.clone(),
-            rank: self.rank,
-            index,
-            count: self.regions.len(),
-        })
+    fn region_id(&self, index: usize) -> Result<RegionId, TransferAgentError> {
+        self.regions
+            .get(index)
+            .copied()
+            .ok_or_else(|| TransferAgentError::NoSuchRegion {
+                group: self.group.clone(),
+                rank: self.rank,
+                index,
+                count: self.regions.len(),
+            })
     }
 
     /// Drains the notifications received so far: (sender agent, message).
-    pub fn notifications(&mut self) -> Result<Vec<(String, Vec<u8>)>, PdError> {
+    pub fn notifications(&mut self) -> Result<Vec<(String, Vec<u8>)>, TransferAgentError> {
         Ok(self.nixl.notifications()?)
     }
 
@@ -219,8 +222,11 @@ impl PdAgent {
         )
     }
 
-    fn read_record(&mut self, peer: &PeerRef) -> Result<Option<(NixlRecord, i64)>, PdError> {
-        let group = rootrank_core::GroupId::new(&peer.group).map_err(|e| PdError::Sim(e.to_string()))?;
+    fn read_record(&mut self, peer: &PeerRef) -> Result<Option<(NixlRecord, i64)>, TransferAgentError> {
+        let group = rootrank_core::GroupId::new(&peer.group).map_err(|source| TransferAgentError::BadPeerGroup {
+            group: peer.group.clone(),
+            source,
+        })?;
         let key = self.keys.nixl(&group, peer.rank);
         let mut etcd = self.etcd.clone();
         let read = self
@@ -237,15 +243,16 @@ impl PdAgent {
             }
             Err(_) => {
                 self.etcd_quiet_until = Some(Instant::now() + ETCD_QUIET);
-                return Err(PdError::Sim(format!(
-                    "etcd did not answer a read of {key} within {ETCD_READ_TIMEOUT:?}"
-                )));
+                return Err(TransferAgentError::EtcdSlow {
+                    key,
+                    waited_ms: ETCD_READ_TIMEOUT.as_millis() as u64,
+                });
             }
         };
         let Some(kv) = resp.kvs().first() else {
             return Ok(None);
         };
-        let bad = |detail: String| PdError::BadPeerRecord {
+        let bad = |detail: String| TransferAgentError::BadPeerRecord {
             group: peer.group.clone(),
             rank: peer.rank,
             key: key.clone(),
@@ -260,13 +267,13 @@ impl PdAgent {
 
     /// Loads `peer`'s NIXL metadata from etcd, waiting up to `within` for it to appear.
     /// Reloads it when the record changed since it was loaded (a restarted peer).
-    pub fn connect_peer(&mut self, peer: &PeerRef, within: Duration) -> Result<(), PdError> {
+    pub fn connect_peer(&mut self, peer: &PeerRef, within: Duration) -> Result<(), TransferAgentError> {
         let deadline = rootrank_store::deadline_after(within);
         loop {
             match self.read_record(peer)? {
                 Some((record, rev)) => return self.load(peer, record, rev),
                 None if Instant::now() >= deadline => {
-                    return Err(PdError::PeerMissing {
+                    return Err(TransferAgentError::PeerMissing {
                         group: peer.group.clone(),
                         rank: peer.rank,
                         key: self.peer_key(peer),
@@ -284,7 +291,7 @@ impl PdAgent {
     ///
     /// Within a few seconds of a failed etcd read this returns `Ok(false)` at once, so a
     /// transfer path that refreshes before every room is not slowed by an etcd outage.
-    pub fn refresh_peer(&mut self, peer: &PeerRef) -> Result<bool, PdError> {
+    pub fn refresh_peer(&mut self, peer: &PeerRef) -> Result<bool, TransferAgentError> {
         if self.etcd_quiet() {
             return Ok(false);
         }
@@ -303,14 +310,14 @@ impl PdAgent {
         }
     }
 
-    fn load(&mut self, peer: &PeerRef, record: NixlRecord, mod_revision: i64) -> Result<(), PdError> {
+    fn load(&mut self, peer: &PeerRef, record: NixlRecord, mod_revision: i64) -> Result<(), TransferAgentError> {
         if let Some(p) = self.peers.get_mut(peer) {
             if p.agent == record.agent && p.metadata_hex == record.metadata_hex {
                 p.mod_revision = mod_revision;
                 return Ok(());
             }
         }
-        let md = crate::hex::decode(&record.metadata_hex).ok_or_else(|| PdError::BadPeerRecord {
+        let md = crate::hex::decode(&record.metadata_hex).ok_or_else(|| TransferAgentError::BadPeerRecord {
             group: peer.group.clone(),
             rank: peer.rank,
             key: self.peer_key(peer),
@@ -349,14 +356,14 @@ impl PdAgent {
     }
 
     /// The descriptor of `peer`'s region `index`, as loaded.
-    pub fn peer_region(&self, peer: &PeerRef, index: usize) -> Result<RemoteRegion, PdError> {
-        let p = self.peers.get(peer).ok_or_else(|| PdError::PeerMissing {
+    pub fn peer_region(&self, peer: &PeerRef, index: usize) -> Result<RemoteRegion, TransferAgentError> {
+        let p = self.peers.get(peer).ok_or_else(|| TransferAgentError::PeerMissing {
             group: peer.group.clone(),
             rank: peer.rank,
             key: "(not connected: call connect_peer first)".into(),
             waited_ms: 0,
         })?;
-        p.regions.get(index).copied().ok_or(PdError::NoSuchRegion {
+        p.regions.get(index).copied().ok_or(TransferAgentError::NoSuchRegion {
             group: peer.group.clone(),
             rank: peer.rank,
             index,
@@ -380,7 +387,7 @@ impl PdAgent {
     ///
     /// A peer marked stale by an earlier failure is re-read from etcd first (it may have
     /// restarted). On failure the error is recorded as a `local` RoomFailure (see
-    /// [`PdAgent::write_room_to`]).
+    /// [`RankAgent::write_room_to`]).
     #[allow(clippy::too_many_arguments)]
     pub fn write_room(
         &mut self,
@@ -419,7 +426,7 @@ impl PdAgent {
         )
     }
 
-    /// Like [`PdAgent::write_room`], to an explicit remote range (which NIXL checks against
+    /// Like [`RankAgent::write_room`], to an explicit remote range (which NIXL checks against
     /// the peer's registered memory: a range the peer never registered fails inside NIXL).
     ///
     /// On failure: a transfer failure while the peer's NIXL record is gone or replaced is
