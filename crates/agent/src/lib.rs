@@ -13,6 +13,7 @@
 //!   is written, so an etcd restart loses nothing that fit in the queue.
 
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
+pub mod script;
 mod worker;
 
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};

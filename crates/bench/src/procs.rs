@@ -201,11 +201,13 @@ impl RankProc {
     /// Reports a room failure and waits until it is in etcd.
     pub fn fail(&mut self, room: u64, origin: &str, reason: &str) -> anyhow::Result<()> {
         let stdin = self.stdin.as_mut().context("rank stdin closed")?;
-        writeln!(stdin, "fail {room} {origin} {reason}")?;
+        writeln!(stdin, "fail {room} {origin} {reason} rootrank-bench\nflush")?;
         stdin.flush()?;
-        let r = self.read_line()?;
-        if r != "ok" {
-            bail!("rank fail: {r}");
+        for want in ["ok", "flushed"] {
+            let r = self.read_line()?;
+            if r != want {
+                bail!("rank fail: {r}");
+            }
         }
         Ok(())
     }
@@ -247,45 +249,14 @@ pub fn serve_coordinator(endpoints: Vec<String>, listen: std::net::SocketAddr, p
     Ok(())
 }
 
-/// `rootrank-bench rank`: a rank with an embedded agent. Stdin commands: `fail ROOM ORIGIN
-/// REASON` (replies `ok` once the record is in etcd) and `exit`.
+/// `rootrank-bench rank`: a rank with an embedded agent, driven over stdin by the same line
+/// protocol as `rootrank rank` ([`rootrank_agent::script`]).
 pub fn rank_main(endpoints: Vec<String>, group: &str, rank: u64, size: u64, ttl_ms: u64) -> anyhow::Result<()> {
     init_tracing();
     let mut config = rootrank_agent::AgentConfig::new(endpoints, group, rank, size)?;
     config.lease_ttl = Duration::from_millis(ttl_ms);
     let agent = rootrank_agent::Agent::start(config)?;
-    let inc = agent
-        .wait_registered(Duration::from_secs(30))
-        .context("agent did not register in 30 s")?;
-    let out = std::io::stdout();
-    let mut out = out.lock();
-    writeln!(out, "registered incarnation={inc} pid={}", std::process::id())?;
-    out.flush()?;
-    for line in std::io::stdin().lock().lines() {
-        let line = line?;
-        let words: Vec<&str> = line.split_whitespace().collect();
-        let reply = match words.as_slice() {
-            ["exit"] => break,
-            ["fail", room, origin, reason] => {
-                let origin = match *origin {
-                    "local" => rootrank_core::Origin::Local,
-                    _ => rootrank_core::Origin::Propagated,
-                };
-                match room.parse::<u64>() {
-                    Ok(room) => match agent.record_failure(room, origin, reason, "rootrank-bench", None) {
-                        Ok(()) if agent.flush(Duration::from_secs(10)) => "ok".to_string(),
-                        Ok(()) => "error: flush timed out".to_string(),
-                        Err(e) => format!("error: {e}"),
-                    },
-                    Err(e) => format!("error: room: {e}"),
-                }
-            }
-            _ => "error: fail ROOM ORIGIN REASON | exit".to_string(),
-        };
-        writeln!(out, "{reply}")?;
-        out.flush()?;
-    }
-    agent.shutdown(Duration::from_secs(5));
+    rootrank_agent::script::drive(&agent, std::io::stdin().lock(), std::io::stdout().lock())?;
     Ok(())
 }
 
