@@ -159,7 +159,8 @@ impl RetainedWriter {
         }
     }
 
-    async fn attempt(&mut self, what: Retained<'_>) -> Result<bool, WriteError> {
+    /// A client and the current retention lease, for one attempt.
+    async fn ready(&mut self) -> Result<(&mut Client, i64), WriteError> {
         let c = self
             .etcd
             .client()
@@ -170,36 +171,49 @@ impl RetainedWriter {
             .lease(c)
             .await
             .map_err(|e| WriteError::Transient(e.to_string()))?;
+        Ok((c, lease))
+    }
+
+    /// What an attempt's etcd error means for the next one.
+    fn failed(&mut self, e: &etcd_client::Error) -> WriteError {
+        if crate::is_lease_not_found(e) {
+            // etcd lost or expired the lease (e.g. it was down longer than the lease's TTL).
+            self.retention.invalidate();
+        }
+        WriteError::classify(e)
+    }
+
+    async fn attempt(&mut self, what: Retained<'_>) -> Result<bool, WriteError> {
+        let (c, lease) = self.ready().await?;
         let res = match what {
             Retained::Record { key, value } => crate::create_if_absent(c, key, value.to_vec(), Some(lease)).await,
             Retained::Certificate { key, down } => crate::put_certificate(c, key, down, Some(lease)).await,
         };
-        res.map_err(|e| {
-            if crate::is_lease_not_found(&e) {
-                // etcd lost or expired the lease (e.g. it was down longer than the lease's TTL).
-                self.retention.invalidate();
-            }
-            WriteError::classify(&e)
-        })
+        res.map_err(|e| self.failed(&e))
     }
 
     async fn attempt_records(&mut self, records: &[(&str, &[u8])]) -> Result<Vec<bool>, WriteError> {
-        let c = self
-            .etcd
-            .client()
-            .await
-            .map_err(|e| WriteError::Transient(e.to_string()))?;
-        let lease = self
-            .retention
-            .lease(c)
-            .await
-            .map_err(|e| WriteError::Transient(e.to_string()))?;
-        crate::create_all_if_absent(c, records, Some(lease)).await.map_err(|e| {
-            if crate::is_lease_not_found(&e) {
-                self.retention.invalidate();
-            }
-            WriteError::classify(&e)
-        })
+        let (c, lease) = self.ready().await?;
+        let res = crate::create_all_if_absent(c, records, Some(lease)).await;
+        res.map_err(|e| self.failed(&e))
+    }
+
+    /// Counts a transient failure (said loudly at the third in a row), then sleeps the
+    /// backoff; false when `deadline` would pass first.
+    async fn retry_after(&mut self, attempts: &mut u32, e: &WriteError, what: &str, deadline: Option<Instant>) -> bool {
+        *attempts += 1;
+        self.retries += 1;
+        if *attempts == 3 {
+            warn!(error = %e, "{what} not written yet; retrying until etcd takes it");
+        } else {
+            debug!(error = %e, "{what} not written yet; retrying");
+        }
+        let pause = self.backoff.next_pause();
+        if deadline.is_some_and(|d| crate::deadline_after(pause) > d) {
+            return false;
+        }
+        tokio::time::sleep(pause).await;
+        true
     }
 
     /// Writes room records `(key, value)` in order, in as few etcd transactions as
@@ -264,20 +278,12 @@ impl RetainedWriter {
                     return None;
                 }
                 Err(e) => {
-                    attempts += 1;
-                    self.retries += 1;
-                    if attempts == 3 {
-                        warn!(error = %e, records = batch.len(), "batch of room failure records not written yet; retrying until etcd takes it");
-                    } else {
-                        debug!(error = %e, records = batch.len(), "batch not written yet; retrying");
+                    let what = format!("a batch of {} room failure records", batch.len());
+                    if !self.retry_after(&mut attempts, &e, &what, deadline).await {
+                        return Some(vec![Written::GaveUp; batch.len()]);
                     }
                 }
             }
-            let pause = self.backoff.next_pause();
-            if deadline.is_some_and(|d| crate::deadline_after(pause) > d) {
-                return Some(vec![Written::GaveUp; batch.len()]);
-            }
-            tokio::time::sleep(pause).await;
         }
     }
 
@@ -303,20 +309,12 @@ impl RetainedWriter {
                     return Written::Rejected;
                 }
                 Err(e) => {
-                    attempts += 1;
-                    self.retries += 1;
-                    if attempts == 3 {
-                        warn!(error = %e, key = what.key(), "{} not written yet; retrying until etcd takes it", what.kind());
-                    } else {
-                        debug!(error = %e, key = what.key(), "{} not written yet; retrying", what.kind());
+                    let described = format!("{} {}", what.kind(), what.key());
+                    if !self.retry_after(&mut attempts, &e, &described, deadline).await {
+                        return Written::GaveUp;
                     }
                 }
             }
-            let pause = self.backoff.next_pause();
-            if deadline.is_some_and(|d| crate::deadline_after(pause) > d) {
-                return Written::GaveUp;
-            }
-            tokio::time::sleep(pause).await;
         }
     }
 }
