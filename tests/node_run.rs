@@ -8,7 +8,7 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use node_common::{list, wait_certificate, NodeWatch, BIN};
-use rootrank_testkit::{eventually, signal, Coordinator, Etcd, Rank};
+use rootrank_testkit::{eventually, try_signal, Coordinator, Etcd, Rank};
 
 fn run_cmd(endpoint: &str, group: &str, rank: u32, size: u32, extra: &[&str], cmd: &[&str]) -> Command {
     let mut c = Command::new(BIN);
@@ -152,7 +152,7 @@ async fn sigkilled_child_with_its_own_agent() -> anyhow::Result<()> {
         }
     });
     seen_rx.recv_timeout(Duration::from_secs(20))?;
-    signal(child_pid, libc::SIGKILL);
+    try_signal(child_pid, libc::SIGKILL)?;
     let status = sup.wait()?;
     use std::os::unix::process::ExitStatusExt;
     assert_eq!(
@@ -205,7 +205,7 @@ async fn sigterm_is_forwarded_and_reported() -> anyhow::Result<()> {
             .filter(|v| !v.is_empty())
     })
     .await?;
-    signal(sup.id(), libc::SIGTERM);
+    try_signal(sup.id(), libc::SIGTERM)?;
     let status = sup.wait()?;
     assert_eq!(status.code(), Some(128 + 15), "{status:?}");
     let cert = only_certificate(&ep, "prefill-1", 0).await?;
@@ -243,7 +243,7 @@ async fn watchdog_leaves_a_supervised_death_to_the_supervisor() -> anyhow::Resul
     let watch = NodeWatch::start(&ep)?;
     let (mut sup, child_pid, incarnation) = run_rank_with_agent(&ep, "prefill-3", 0)?;
     watch.wait_watching("prefill-3", 0, child_pid).await?;
-    signal(child_pid, libc::SIGKILL);
+    try_signal(child_pid, libc::SIGKILL)?;
     let status = sup.wait()?;
     assert_eq!(status.code(), Some(137));
     let cert = wait_certificate(&ep, "prefill-3", 0, &incarnation).await?;
@@ -334,7 +334,7 @@ async fn rank_under_a_launcher_keeps_its_own_incarnation() -> anyhow::Result<()>
     });
     seen_rx.recv_timeout(Duration::from_secs(20))?;
 
-    signal(rank_pid, libc::SIGKILL);
+    try_signal(rank_pid, libc::SIGKILL)?;
     let status = sup.wait()?;
     assert_eq!(status.code(), Some(7), "the launcher's status");
     let cert = only_certificate(&ep, "prefill-5", 0).await?;

@@ -77,7 +77,7 @@ async fn sigterm_stops_a_forever_run_cleanly() {
     pids.extend(live_pids(&etcd.endpoint(), "decode-0").await);
     assert_eq!(pids.len(), 4, "four ranks registered with their pids: {pids:?}");
 
-    rootrank_testkit::signal(child.id().expect("pid"), libc::SIGTERM);
+    rootrank_testkit::try_signal(child.id().expect("pid"), libc::SIGTERM).expect("SIGTERM to simulate");
     let mut last = String::new();
     while let Ok(Some(l)) = tokio::time::timeout(Duration::from_secs(30), lines.next_line())
         .await
