@@ -154,7 +154,11 @@ async fn sigkilled_rank_is_named_once_its_lease_expires() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn long_poll_returns_as_soon_as_the_culprits_record_lands() {
     let etcd = Etcd::start().unwrap();
-    let coord = Coordinator::start(&etcd.endpoint(), &[]).await.unwrap();
+    // One long poll at a time: while one waits in the server, any other is turned away with
+    // 503 too_many_waiters, which makes "the long poll is waiting in the server" observable.
+    let coord = Coordinator::start(&etcd.endpoint(), &["--max-long-polls", "1"])
+        .await
+        .unwrap();
     let mut rs = ranks(&etcd, "prefill-2", 2, 5000);
     let room = 77u64;
     rs[0]
@@ -163,14 +167,32 @@ async fn long_poll_returns_as_soon_as_the_culprits_record_lands() {
     rs[0].flush().unwrap();
     assert_eq!(verdict(&coord, room, "").await["status"], "pending");
     // A scheduler at the generic fallback asks, willing to wait 30 s.
-    let url = coord.url.clone();
+    let url = format!(
+        "{}/v1/rooms/{room}/verdict?group=prefill-2&wait_ms=30000&asking_rank=0",
+        coord.url
+    );
     let asking = tokio::spawn(async move {
-        rootrank_testkit::get(&format!(
-            "{url}/v1/rooms/{room}/verdict?group=prefill-2&wait_ms=30000&asking_rank=0"
-        ))
-        .await
+        loop {
+            let answer = rootrank_testkit::get(&url).await;
+            match &answer {
+                // The probe below held the only slot for a moment: ask again, as a client told
+                // 503 with Retry-After would.
+                Ok((503, v)) if v["error"]["code"] == "too_many_waiters" => {
+                    tokio::time::sleep(Duration::from_millis(10)).await
+                }
+                _ => return answer,
+            }
+        }
     });
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Wait until the server holds it: a second long poll (on a room nobody asked about) finds
+    // the only slot taken. A request never sent, or answered at once without waiting, never
+    // holds the slot, and this times out.
+    eventually(T, "the long poll waiting in the coordinator", || async {
+        let (status, v) = coord.get("/v1/rooms/78/verdict?group=prefill-2&wait_ms=1").await.ok()?;
+        (status == 503 && v["error"]["code"] == "too_many_waiters").then_some(())
+    })
+    .await
+    .expect("the long poll reached the coordinator and waits there");
     assert!(!asking.is_finished(), "the long poll must wait while nothing is known");
     let mut r1 = rs.remove(1);
     tokio::task::spawn_blocking(move || {

@@ -1,9 +1,7 @@
 //! The node watchdog across its own restarts and etcd's: every death is reported, none
 //! twice (each certificate key is written exactly once: etcd's per-key `version` stays 1).
 
-mod node_common;
-
-use node_common::{down_prefix, list, wait_certificate, NodeWatch};
+use rootrank_testkit::node::{down_prefix, list, wait_certificate, NodeWatch};
 use rootrank_testkit::{Etcd, Rank};
 
 const G: &str = "prefill-0";

@@ -1,14 +1,14 @@
 //! `rootrank run` around real processes: exit statuses, stderr tails and signals reach the
 //! certificate and the verdict, and the supervisor exits as its child did.
 
-mod node_common;
-
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use node_common::{list, wait_certificate, NodeWatch, BIN};
-use rootrank_testkit::{eventually, signal, Coordinator, Etcd, Rank};
+use rootrank_testkit::node::{self, certificates_after_barrier, list, wait_certificate, NodeWatch};
+use rootrank_testkit::{eventually, try_signal, Coordinator, Etcd, Rank};
+
+const BIN: &str = env!("CARGO_BIN_EXE_rootrank");
 
 fn run_cmd(endpoint: &str, group: &str, rank: u32, size: u32, extra: &[&str], cmd: &[&str]) -> Command {
     let mut c = Command::new(BIN);
@@ -22,16 +22,11 @@ fn run_cmd(endpoint: &str, group: &str, rank: u32, size: u32, extra: &[&str], cm
     c
 }
 
-/// Reads the incarnation id of the current certificate(s) of a rank.
-async fn only_certificate(endpoint: &str, group: &str, rank: u32) -> anyhow::Result<node_common::Stored> {
-    let certs = eventually(Duration::from_secs(30), "a certificate", || async {
-        list(endpoint, &node_common::down_prefix(group, rank))
-            .await
-            .ok()
-            .filter(|v| !v.is_empty())
-    })
-    .await?;
-    assert_eq!(certs.len(), 1, "{certs:?}");
+/// The one certificate of a rank. Counted behind a revision barrier once the first is there
+/// (see `certificates_after_barrier`), so a duplicate that lands just after the first is seen.
+async fn only_certificate(endpoint: &str, group: &str, rank: u32) -> anyhow::Result<node::Stored> {
+    let certs = certificates_after_barrier(endpoint, group, rank).await?;
+    assert_eq!(certs.len(), 1, "one certificate, no duplicate: {certs:?}");
     Ok(certs[0].clone())
 }
 
@@ -84,7 +79,7 @@ async fn traceback_and_exit_code_reach_the_verdict() -> anyhow::Result<()> {
     );
     // The supervisor registered on the shell's behalf and revoked that lease after the
     // certificate: no live key is left behind.
-    assert!(list(&ep, &node_common::live_key("prefill-0", 1)).await?.is_empty());
+    assert!(list(&ep, &node::live_key("prefill-0", 1)).await?.is_empty());
 
     let mut survivor = Rank::start(&ep, "prefill-0", 0, 2, 30_000)?;
     survivor.fail(5, "propagated", "nixl_error", "NIXL KVSender Exception")?;
@@ -100,6 +95,10 @@ async fn traceback_and_exit_code_reach_the_verdict() -> anyhow::Result<()> {
             && culprit_tail.iter().any(|l| l == "RuntimeError: CUDA out of memory"),
         "{v}"
     );
+    // Later still (the coordinator has seen the death and resolved a room on it): still the
+    // one certificate, none added by the coordinator.
+    let certs = certificates_after_barrier(&ep, "prefill-0", 1).await?;
+    assert_eq!(certs.len(), 1, "{certs:?}");
     Ok(())
 }
 
@@ -152,7 +151,7 @@ async fn sigkilled_child_with_its_own_agent() -> anyhow::Result<()> {
         }
     });
     seen_rx.recv_timeout(Duration::from_secs(20))?;
-    signal(child_pid, libc::SIGKILL);
+    try_signal(child_pid, libc::SIGKILL)?;
     let status = sup.wait()?;
     use std::os::unix::process::ExitStatusExt;
     assert_eq!(
@@ -199,13 +198,13 @@ async fn sigterm_is_forwarded_and_reported() -> anyhow::Result<()> {
     assert_eq!(line.trim(), "ready");
     // Registered on the child's behalf (grace 0): wait for the live key before the signal.
     eventually(Duration::from_secs(20), "the supervisor's registration", || async {
-        list(&ep, &node_common::live_key("prefill-1", 0))
+        list(&ep, &node::live_key("prefill-1", 0))
             .await
             .ok()
             .filter(|v| !v.is_empty())
     })
     .await?;
-    signal(sup.id(), libc::SIGTERM);
+    try_signal(sup.id(), libc::SIGTERM)?;
     let status = sup.wait()?;
     assert_eq!(status.code(), Some(128 + 15), "{status:?}");
     let cert = only_certificate(&ep, "prefill-1", 0).await?;
@@ -243,7 +242,7 @@ async fn watchdog_leaves_a_supervised_death_to_the_supervisor() -> anyhow::Resul
     let watch = NodeWatch::start(&ep)?;
     let (mut sup, child_pid, incarnation) = run_rank_with_agent(&ep, "prefill-3", 0)?;
     watch.wait_watching("prefill-3", 0, child_pid).await?;
-    signal(child_pid, libc::SIGKILL);
+    try_signal(child_pid, libc::SIGKILL)?;
     let status = sup.wait()?;
     assert_eq!(status.code(), Some(137));
     let cert = wait_certificate(&ep, "prefill-3", 0, &incarnation).await?;
@@ -287,7 +286,7 @@ async fn exit_before_any_registration_is_still_certified() -> anyhow::Result<()>
         "{cert:?}"
     );
     assert!(
-        list(&ep, &node_common::live_key("prefill-4", 0)).await?.is_empty(),
+        list(&ep, &node::live_key("prefill-4", 0)).await?.is_empty(),
         "no live record for a dead process"
     );
     Ok(())
@@ -334,7 +333,7 @@ async fn rank_under_a_launcher_keeps_its_own_incarnation() -> anyhow::Result<()>
     });
     seen_rx.recv_timeout(Duration::from_secs(20))?;
 
-    signal(rank_pid, libc::SIGKILL);
+    try_signal(rank_pid, libc::SIGKILL)?;
     let status = sup.wait()?;
     assert_eq!(status.code(), Some(7), "the launcher's status");
     let cert = only_certificate(&ep, "prefill-5", 0).await?;

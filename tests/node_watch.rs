@@ -2,9 +2,7 @@
 //! are not its children: a SIGKILLed rank is certified through its pidfd, and the verdict
 //! names it long before its lease could have expired.
 
-mod node_common;
-
-use node_common::{list, live_key, wait_certificate, NodeWatch};
+use rootrank_testkit::node::{list, live_key, wait_certificate, NodeWatch};
 use rootrank_testkit::{Coordinator, Etcd, Rank};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

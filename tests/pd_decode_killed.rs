@@ -1,9 +1,7 @@
 //! SIGKILL of a decode peer in the middle of a room's transfer: the prefill rank records a
 //! first-hand (`local`) failure naming that peer, and the coordinator names the prefill rank.
 
-mod pd_common;
-
-use pd_common::{room_record, simulate};
+use rootrank_testkit::pd::{room_record, simulate};
 use rootrank_testkit::{Coordinator, Etcd};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -33,14 +31,16 @@ async fn decode_peer_killed_mid_transfer_is_a_local_nixl_error() {
             "1@1",
         ],
     )
-    .await;
-    assert_eq!(run.room(0)["status"], "success");
-    let room1 = run.room(1);
+    .await
+    .expect("simulate");
+    assert_eq!(run.room(0).unwrap()["status"], "success");
+    let room1 = run.room(1).unwrap();
     assert_eq!(room1["status"], "failed", "{room1}");
-    let room = run.room_id(1);
+    let room = run.room_id(1).unwrap();
 
     let rec = room_record(&etcd.endpoint(), "prefill-0", &room, 1)
         .await
+        .expect("etcd read")
         .unwrap_or_else(|| panic!("no record of prefill rank 1 for room {room}; stderr:\n{}", run.stderr));
     assert_eq!(rec["origin"], "local", "{rec}");
     // The kill lands between the room's two chunks; the next WRITE fails inside NIXL with a
@@ -66,6 +66,7 @@ async fn decode_peer_killed_mid_transfer_is_a_local_nixl_error() {
     // Rank 0 did not fail itself: its record is propagated, never a root cause.
     let other = room_record(&etcd.endpoint(), "prefill-0", &room, 0)
         .await
+        .expect("etcd read")
         .expect("rank 0's record");
     assert_eq!(other["origin"], "propagated", "{other}");
     assert_eq!(other["detail"], "NIXL KVSender Exception");

@@ -1,9 +1,7 @@
 //! A decode rank restarted by its launcher (new process, new NIXL agent, new metadata in
 //! etcd): the prefill side loads the new metadata and the next rooms arrive intact.
 
-mod pd_common;
-
-use pd_common::simulate;
+use rootrank_testkit::pd::simulate;
 use rootrank_testkit::Etcd;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -28,7 +26,8 @@ async fn restarted_decode_peer_is_reloaded_from_etcd() {
             "1@2",
         ],
     )
-    .await;
+    .await
+    .expect("simulate");
     for room in &run.rooms {
         assert_eq!(room["status"], "success", "{room}\nstderr:\n{}", run.stderr);
         assert_eq!(

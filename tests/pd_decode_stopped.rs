@@ -1,9 +1,7 @@
 //! SIGSTOP of a decode peer: NIXL reports nothing, the WRITE times out, the prefill rank
 //! records `transfer_timeout`, and the sender never hangs (the simulation finishes).
 
-mod pd_common;
-
-use pd_common::{room_record, simulate};
+use rootrank_testkit::pd::{room_record, simulate};
 use rootrank_testkit::{Coordinator, Etcd};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -38,16 +36,18 @@ async fn stopped_decode_peer_is_a_recorded_transfer_timeout() {
             "0@1",
         ],
     )
-    .await;
+    .await
+    .expect("simulate");
     // Every room came to an end: nobody hung on the stopped peer.
     assert_eq!(run.rooms.len(), 3);
     assert!(run.rooms.iter().all(|r| r["status"] != "incomplete"), "{:?}", run.rooms);
-    assert_eq!(run.room(0)["status"], "success");
-    let room1 = run.room(1);
+    assert_eq!(run.room(0).unwrap()["status"], "success");
+    let room1 = run.room(1).unwrap();
     assert_eq!(room1["status"], "failed", "{room1}");
-    let room = run.room_id(1);
+    let room = run.room_id(1).unwrap();
     let rec = room_record(&etcd.endpoint(), "prefill-0", &room, 0)
         .await
+        .expect("etcd read")
         .expect("prefill rank 0's record");
     assert_eq!(rec["origin"], "local", "{rec}");
     assert_eq!(rec["reason"], "transfer_timeout", "{rec}");

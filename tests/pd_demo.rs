@@ -1,17 +1,17 @@
 //! `rootrank demo` tells the whole story with real etcd and real NIXL, and leaves nothing
 //! running.
 
-mod pd_common;
+use rootrank_testkit::nixl::NIXL_DIR_ENV;
+use rootrank_testkit::{alive, nixl_dir, processes_mentioning, repo_root};
 
-use pd_common::{alive, ensure_nixl, processes_mentioning, repo_root, BIN};
+const BIN: &str = env!("CARGO_BIN_EXE_rootrank");
 
 #[test]
 fn demo_narrates_both_failures_and_cleans_up() {
-    ensure_nixl();
     let out = std::process::Command::new(BIN)
         .arg("demo")
         .current_dir(repo_root())
-        .env_remove("ROOTRANK_NIXL_DIR")
+        .env(NIXL_DIR_ENV, nixl_dir().expect("NIXL for the tests"))
         .env_remove("ROOTRANK_LOG")
         .output()
         .expect("run rootrank demo");

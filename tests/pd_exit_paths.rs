@@ -1,13 +1,14 @@
 //! `rootrank simulate` leaves no rank behind: `--rooms 0` stops cleanly on SIGTERM, and a
 //! SIGKILLed parent takes its ranks with it (PR_SET_PDEATHSIG).
 
-mod pd_common;
-
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use pd_common::{alive, ensure_nixl, live_pids, repo_root, BIN};
-use rootrank_testkit::Etcd;
+use rootrank_testkit::nixl::NIXL_DIR_ENV;
+use rootrank_testkit::pd::live_pids;
+use rootrank_testkit::{alive, nixl_dir, repo_root, Etcd};
+
+const BIN: &str = env!("CARGO_BIN_EXE_rootrank");
 use tokio::io::{AsyncBufReadExt, BufReader};
 
 /// Starts `simulate --rooms 0 --json` and returns it once a first room is over.
@@ -18,7 +19,6 @@ async fn start_forever(
     tokio::process::Child,
     tokio::io::Lines<BufReader<tokio::process::ChildStdout>>,
 ) {
-    ensure_nixl();
     let mut child = tokio::process::Command::new(BIN)
         .args([
             "simulate",
@@ -39,7 +39,7 @@ async fn start_forever(
         ])
         .arg(logs)
         .current_dir(repo_root())
-        .env_remove("ROOTRANK_NIXL_DIR")
+        .env(NIXL_DIR_ENV, nixl_dir().expect("NIXL for the tests"))
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .kill_on_drop(true)
@@ -73,11 +73,11 @@ async fn sigterm_stops_a_forever_run_cleanly() {
     let etcd = Etcd::start().expect("etcd");
     let logs = tempfile::tempdir().expect("tempdir");
     let (mut child, mut lines) = start_forever(&etcd.endpoint(), logs.path()).await;
-    let mut pids = live_pids(&etcd.endpoint(), "prefill-0").await;
-    pids.extend(live_pids(&etcd.endpoint(), "decode-0").await);
+    let mut pids = live_pids(&etcd.endpoint(), "prefill-0").await.unwrap();
+    pids.extend(live_pids(&etcd.endpoint(), "decode-0").await.unwrap());
     assert_eq!(pids.len(), 4, "four ranks registered with their pids: {pids:?}");
 
-    rootrank_testkit::signal(child.id().expect("pid"), libc::SIGTERM);
+    rootrank_testkit::try_signal(child.id().expect("pid"), libc::SIGTERM).expect("SIGTERM to simulate");
     let mut last = String::new();
     while let Ok(Some(l)) = tokio::time::timeout(Duration::from_secs(30), lines.next_line())
         .await
@@ -94,7 +94,7 @@ async fn sigterm_stops_a_forever_run_cleanly() {
     assert_eq!(report["stopped_early"], true, "{report}");
     wait_all_gone(&pids).await;
     // Each rank went through its agent's clean exit: a shutdown certificate, no live key.
-    assert!(live_pids(&etcd.endpoint(), "prefill-0").await.is_empty());
+    assert!(live_pids(&etcd.endpoint(), "prefill-0").await.unwrap().is_empty());
     let mut c = rootrank_store::connect(&[etcd.endpoint()]).await.expect("client");
     let all = c
         .get(
@@ -117,8 +117,8 @@ async fn a_killed_parent_takes_its_ranks_with_it() {
     let etcd = Etcd::start().expect("etcd");
     let logs = tempfile::tempdir().expect("tempdir");
     let (mut child, _lines) = start_forever(&etcd.endpoint(), logs.path()).await;
-    let mut pids = live_pids(&etcd.endpoint(), "prefill-0").await;
-    pids.extend(live_pids(&etcd.endpoint(), "decode-0").await);
+    let mut pids = live_pids(&etcd.endpoint(), "prefill-0").await.unwrap();
+    pids.extend(live_pids(&etcd.endpoint(), "decode-0").await.unwrap());
     assert_eq!(pids.len(), 4, "{pids:?}");
     assert!(pids.iter().all(|&p| alive(p)));
     child.start_kill().expect("SIGKILL simulate");

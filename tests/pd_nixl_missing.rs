@@ -1,22 +1,27 @@
 //! A missing NIXL library is a clear error and a non-zero exit, never the nixl-sys stubs'
 //! abort(), for both `simulate` and `demo`.
 
-mod pd_common;
-
 use std::os::unix::process::ExitStatusExt;
 use std::process::Command;
 
-use pd_common::{ensure_nixl, repo_root, BIN};
+use rootrank_testkit::nixl::NIXL_DIR_ENV;
+use rootrank_testkit::nixl_dir;
+
+const BIN: &str = env!("CARGO_BIN_EXE_rootrank");
 
 fn check(args: &[&str]) {
-    // The real library is in <repo>/.cache/nixl and the command runs in the repo: had the
-    // named directory not been taken as the only place to look, NIXL would load.
-    ensure_nixl();
+    // The real library is in ./.cache/nixl of the directory the command runs in, where the
+    // default search looks: had the named directory not been taken as the only place to look,
+    // NIXL would load.
+    let cwd = tempfile::tempdir().expect("tempdir");
+    std::fs::create_dir(cwd.path().join(".cache")).expect("mkdir .cache");
+    std::os::unix::fs::symlink(nixl_dir().expect("NIXL for the tests"), cwd.path().join(".cache/nixl"))
+        .expect("link .cache/nixl");
     let empty = tempfile::tempdir().expect("tempdir");
     let out = Command::new(BIN)
         .args(args)
-        .current_dir(repo_root())
-        .env("ROOTRANK_NIXL_DIR", empty.path())
+        .current_dir(cwd.path())
+        .env(NIXL_DIR_ENV, empty.path())
         .output()
         .expect("run rootrank");
     let stderr = String::from_utf8_lossy(&out.stderr);

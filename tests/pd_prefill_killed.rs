@@ -1,9 +1,7 @@
 //! SIGKILL of one prefill rank of four: it leaves no record of its own, yet every survivor's
 //! room resolves to it once its lease expires (`source: lease_expired`).
 
-mod pd_common;
-
-use pd_common::simulate;
+use rootrank_testkit::pd::simulate;
 use rootrank_testkit::{Coordinator, Etcd};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -31,12 +29,18 @@ async fn survivors_rooms_resolve_to_the_killed_prefill_rank() {
             "1@2",
         ],
     )
-    .await;
+    .await
+    .expect("simulate");
     for idx in 0..2 {
-        assert_eq!(run.room(idx)["status"], "success", "{}", run.room(idx));
+        assert_eq!(
+            run.room(idx).unwrap()["status"],
+            "success",
+            "{}",
+            run.room(idx).unwrap()
+        );
     }
     for idx in 2..5 {
-        let room = run.room(idx);
+        let room = run.room(idx).unwrap();
         assert_eq!(room["status"], "failed", "{room}");
         let reports = room["reports"].as_array().expect("reports");
         let ranks: Vec<u64> = reports.iter().filter_map(|r| r["rank"].as_u64()).collect();
@@ -58,7 +62,7 @@ async fn survivors_rooms_resolve_to_the_killed_prefill_rank() {
             assert_eq!(v["action"], "abort_and_restart_group", "{v}");
         }
         // Any replica asked later says the same.
-        let id = run.room_id(idx);
+        let id = run.room_id(idx).unwrap();
         let (status, v) = coord
             .get(&format!("/v1/rooms/{id}/verdict?group=prefill-0"))
             .await

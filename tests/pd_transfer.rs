@@ -1,9 +1,8 @@
 //! Cross-process DRAM transfers through the simulated deployment arrive intact and notified,
 //! and the ranks register like any rank (pids, NIXL agent names).
 
-mod pd_common;
-
-use pd_common::{processes_mentioning, simulate};
+use rootrank_testkit::pd::simulate;
+use rootrank_testkit::processes_mentioning;
 use rootrank_testkit::Etcd;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -28,7 +27,8 @@ async fn kv_shards_arrive_intact_and_notified() {
             "1000",
         ],
     )
-    .await;
+    .await
+    .expect("simulate");
     assert_eq!(run.rooms.len(), 4, "stderr:\n{}", run.stderr);
     for room in &run.rooms {
         assert_eq!(room["status"], "success", "{room}");

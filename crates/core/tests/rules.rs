@@ -2,7 +2,18 @@
 
 mod common;
 use common::*;
-use rootrank_core::{Action, EvidenceKind, Output, RankStateKind, Status};
+use rootrank_core::{Action, EvidenceKind, Output, RankStateKind, Status, Verdict};
+
+/// The question these rules ask of a world: its verdict, now.
+trait Ask {
+    fn verdict(&self, room: u64, group: Option<&str>) -> Verdict;
+}
+
+impl Ask for World {
+    fn verdict(&self, room: u64, group: Option<&str>) -> Verdict {
+        verdict_of(&self.index, room, group, self.now)
+    }
+}
 
 const G: &str = "prefill-0";
 const D: &str = "decode-0";

@@ -2,8 +2,6 @@
 //! metadata through etcd, an intact notified WRITE, a NIXL failure recorded as `local` with
 //! the peer, a confirmed disconnect, and recovery once the peer comes back as a new agent.
 
-use std::path::PathBuf;
-use std::process::Command;
 use std::time::Duration;
 
 use rootrank_agent::AgentConfig;
@@ -15,17 +13,10 @@ use rootrank_transfer_agent::{random_room, NixlLibrary, PeerRef, RankAgent};
 const LEN: usize = 1 << 20;
 const WAIT: Duration = Duration::from_secs(30);
 
+/// The tests' NIXL (`ROOTRANK_NIXL_DIR`, else `<repo>/.cache/nixl`, fetched when missing).
 fn nixl() -> NixlLibrary {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
-    let capi = root.join(".cache/nixl/.nixl_cu12.mesonpy.libs/libnixl_capi.so");
-    if !capi.is_file() {
-        let status = Command::new("bash")
-            .arg(root.join("scripts/fetch-nixl.sh"))
-            .status()
-            .expect("fetch-nixl.sh");
-        assert!(status.success(), "scripts/fetch-nixl.sh failed");
-    }
-    NixlLibrary::load(Some(&root.join(".cache/nixl"))).expect("NIXL loads")
+    let dir = rootrank_testkit::nixl_dir().expect("NIXL for the tests");
+    NixlLibrary::load(Some(&dir)).expect("NIXL loads")
 }
 
 fn config(etcd: &str, group: &str, rank: u64) -> AgentConfig {

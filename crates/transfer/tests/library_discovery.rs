@@ -1,16 +1,13 @@
 //! Discovery through ROOTRANK_NIXL_DIR, an environment left untouched, and
 //! idempotent loading. (One test in this binary: it sets process env vars.)
 
-mod common;
-
 use std::path::Path;
 
 use rootrank_transfer::{NixlLibrary, TransferAgent};
 
 #[test]
 fn env_dir_discovery_defaults_and_idempotent_load() {
-    common::ensure_nixl();
-    let cache = common::repo_root().join(".cache/nixl");
+    let cache = rootrank_testkit::nixl_dir().expect("NIXL for the tests");
     let empty = tempfile::tempdir().expect("tempdir");
     // An explicit dir is the only place looked at.
     assert!(NixlLibrary::load(Some(empty.path())).is_err());

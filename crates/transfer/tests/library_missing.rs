@@ -1,13 +1,12 @@
 //! A process pointed at a directory without NIXL gets a clear, typed error
 //! and exits non-zero by itself: it never reaches the nixl-sys stubs' abort().
 
-mod common;
-
 use std::os::unix::process::ExitStatusExt;
 use std::process::Command;
 
-use common::PEER_BIN;
 use rootrank_transfer::{NixlLibrary, TransferError};
+
+const PEER_BIN: &str = env!("CARGO_BIN_EXE_transfer-peer");
 
 #[test]
 fn missing_library_is_a_clear_error_not_an_abort() {

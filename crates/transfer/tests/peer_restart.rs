@@ -7,6 +7,7 @@ mod common;
 use std::time::Duration;
 
 use common::{fill_pattern, fnv1a64, load, Peer};
+use rootrank_testkit::try_signal;
 use rootrank_transfer::{TransferAgent, TransferError};
 
 #[test]
@@ -28,7 +29,7 @@ fn restarted_peer_is_reachable_after_replace_peer() {
         .write(&name, src, 0, &old_region, 0, LEN, b"before", t)
         .expect("write before restart");
     first.wait_log("before", t);
-    first.signal(libc::SIGKILL);
+    try_signal(first.pid(), libc::SIGKILL).expect("SIGKILL the first peer");
     first.child.wait().expect("reap");
 
     let dir2 = tmp.path().join("restarted");

@@ -7,6 +7,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{fill_pattern, fnv1a64, load, Peer};
+use rootrank_testkit::try_signal;
 use rootrank_transfer::{TransferAgent, TransferError};
 
 #[test]
@@ -28,7 +29,7 @@ fn sigstop_of_receiver_times_out_without_hanging() {
         .expect("warm-up write");
     peer.wait_log("warmup", Duration::from_secs(10));
 
-    peer.signal(libc::SIGSTOP);
+    try_signal(peer.pid(), libc::SIGSTOP).expect("SIGSTOP the peer");
     // Give the stop a moment to land before posting.
     std::thread::sleep(Duration::from_millis(20));
 
@@ -60,7 +61,7 @@ fn sigstop_of_receiver_times_out_without_hanging() {
     assert!(t.elapsed() < timeout + Duration::from_secs(1));
 
     // Resume: the peer works again and checks what a fresh write carries.
-    peer.signal(libc::SIGCONT);
+    try_signal(peer.pid(), libc::SIGCONT).expect("SIGCONT the peer");
     {
         let mut bytes = vec![0u8; LEN];
         fill_pattern(&mut bytes, 4);

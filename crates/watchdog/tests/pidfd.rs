@@ -11,12 +11,14 @@ use rootrank_watchdog::{
 };
 use tokio::sync::mpsc::UnboundedReceiver;
 
-const QUICK: Duration = Duration::from_secs(2);
+/// Only there so a missed exit fails the test instead of hanging it; never a speed limit (the
+/// latency is measured by `cargo run --release -p rootrank-watchdog --example pidfd_latency`).
+const HANG_GUARD: Duration = Duration::from_secs(20);
 
 async fn next<K>(rx: &mut UnboundedReceiver<ProcessExit<K>>) -> ProcessExit<K> {
-    tokio::time::timeout(QUICK, rx.recv())
+    tokio::time::timeout(HANG_GUARD, rx.recv())
         .await
-        .expect("ProcessExit within 2 s")
+        .expect("a ProcessExit (none came before the hang guard)")
         .expect("channel open")
 }
 
@@ -48,7 +50,7 @@ fn sigkill(pid: u32) {
 }
 
 #[tokio::test]
-async fn child_killed_by_sigkill_reports_signal_9_quickly() {
+async fn child_killed_by_sigkill_reports_signal_9() {
     let (w, mut rx) = ProcessWatcher::new();
     let mut child = sleeper();
     let pid = child.id();
@@ -63,7 +65,7 @@ async fn child_killed_by_sigkill_reports_signal_9_quickly() {
     assert_eq!(ev.observed, ExitObserved::Exited);
     assert_eq!(ev.exit, Some(ExitInfo::signaled(9)));
     assert!(ev.start_time.is_some());
-    assert!(latency < Duration::from_millis(500), "took {latency:?}");
+    eprintln!("child's SIGKILL noticed after {latency:?}");
     assert!(w.is_empty(), "a reported watch is gone from the watcher");
     // WNOWAIT: the status is still there for the child's owner.
     let status = child.wait().expect("owner can still reap");
@@ -112,7 +114,10 @@ async fn non_child_killed_reports_no_status() {
     assert_eq!(ev.pid, pid);
     assert_eq!(ev.observed, ExitObserved::Exited);
     assert_eq!(ev.exit, None, "waitid must not give a non-child's status");
-    assert!(ev.noticed_at.duration_since(killed_at) < Duration::from_millis(500));
+    eprintln!(
+        "non-child's SIGKILL noticed after {:?}",
+        ev.noticed_at.duration_since(killed_at)
+    );
     let c = diagnose(&ev, &KernelLog::unavailable(), Some("0000:3b:00.0")).await;
     assert_eq!(c.reason, reason::PROCESS_EXIT);
     assert_eq!(c.detail, "process exited (status unknown: not our child)");
@@ -222,7 +227,7 @@ async fn pid_watch_direct() {
     assert!(!watch.has_exited());
     assert_eq!(watch.exit_status(), None, "still running");
     child.kill().expect("kill");
-    tokio::time::timeout(QUICK, watch.exited())
+    tokio::time::timeout(HANG_GUARD, watch.exited())
         .await
         .expect("exited in time")
         .expect("no error");
@@ -249,7 +254,7 @@ fn errors_are_typed() {
     let _ = child.wait();
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test]
 async fn plain_sigkill_skips_the_oom_wait_when_the_cgroup_counter_is_still() {
     let log = KernelLog::open_or_unavailable();
     let (w, mut rx) = ProcessWatcher::new();
@@ -257,9 +262,13 @@ async fn plain_sigkill_skips_the_oom_wait_when_the_cgroup_counter_is_still() {
     w.add("k9", child.id()).expect("watch");
     child.kill().expect("kill");
     let ev = next(&mut rx).await;
-    let t = Instant::now();
+    // From here on tokio's clock is paused: it moves only to the next timer when every task
+    // waits, so `waited` is exactly how long diagnose waited on timers, whatever the machine's
+    // speed.
+    tokio::time::pause();
+    let t = tokio::time::Instant::now();
     let c = diagnose(&ev, &log, None).await;
-    let took = t.elapsed();
+    let waited = t.elapsed();
     assert_eq!(
         (c.reason, c.detail.as_str()),
         ("process_exit", "killed by signal 9 (SIGKILL)")
@@ -268,12 +277,12 @@ async fn plain_sigkill_skips_the_oom_wait_when_the_cgroup_counter_is_still() {
         Some(d) => {
             assert!(!d.killed(), "{d:?}");
             // The cgroup already said "no OOM": the kernel log's grace is not waited out.
-            assert!(took < rootrank_watchdog::OOM_LOG_GRACE, "no wait expected: {took:?}");
+            assert_eq!(waited, Duration::ZERO, "no wait expected");
         }
         None if log.is_available() => {
-            assert!(took >= rootrank_watchdog::OOM_LOG_GRACE, "{took:?}");
+            assert!(waited >= rootrank_watchdog::OOM_LOG_GRACE, "{waited:?}");
         }
-        None => {}
+        None => assert_eq!(waited, Duration::ZERO, "an unavailable log is not waited on"),
     }
     let _ = child.wait();
 }

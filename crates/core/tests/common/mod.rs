@@ -1,6 +1,6 @@
 //! A tiny etcd model for driving the index in tests: keys with leases and revisions, and the
-//! coordinator's one write (a `lease_expired` certificate for a vanished live key).
-#![allow(dead_code)]
+//! coordinator's one write (a `lease_expired` certificate for a vanished live key). Only what
+//! both `rules` and `properties` use is here; what one of them alone needs is in that file.
 
 use std::collections::BTreeMap;
 
@@ -202,28 +202,6 @@ impl World {
             "detail":if origin == "local" { format!("NIXL transfer encountered ERR room={room}") } else { "NIXL KVSender Exception".to_string() },
             "at":time::format_ms(self.now),"incarnation":inc.to_string(),"peer":peer});
         self.put_raw(&k, v.to_string().into_bytes(), 0);
-    }
-
-    pub fn verdict(&self, room: u64, group: Option<&str>) -> Verdict {
-        verdict_of(&self.index, room, group, self.now)
-    }
-
-    /// The index a restarted coordinator would build from the current etcd state.
-    pub fn snapshot_index(&self) -> Index {
-        let mut idx = Index::new(IndexConfig::default());
-        let kvs = self
-            .kv
-            .iter()
-            .map(|(k, (v, lease, rev))| Event::Put {
-                key: k.as_bytes().to_vec(),
-                value: v.clone(),
-                lease: *lease,
-                revision: *rev,
-                observed_at_ms: self.now,
-            })
-            .collect();
-        idx.load_snapshot(kvs, self.rev);
-        idx
     }
 }
 

@@ -1,42 +1,21 @@
-//! Shared helpers: real NIXL, real peer processes (the `transfer-peer` bin).
-#![allow(dead_code)]
+//! Shared by the peer_* and write_roundtrip tests (each uses all of it): real NIXL, real peer
+//! processes (the `transfer-peer` bin), and a checkable byte pattern.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::Once;
 use std::time::{Duration, Instant};
 
+use rootrank_testkit::nixl::NIXL_DIR_ENV;
+use rootrank_testkit::{nixl_dir, repo_root, signal};
 use rootrank_transfer::{NixlLibrary, RemoteRegion, TransferAgent};
 
 pub const PEER_BIN: &str = env!("CARGO_BIN_EXE_transfer-peer");
 
-pub fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
-/// Makes sure `<repo>/.cache/nixl` holds NIXL, running `scripts/fetch-nixl.sh`
-/// when it does not. Panics (fails the test) when that does not work: these
-/// tests are never skipped.
-pub fn ensure_nixl() {
-    static FETCH: Once = Once::new();
-    FETCH.call_once(|| {
-        let root = repo_root();
-        let capi = root.join(".cache/nixl/.nixl_cu12.mesonpy.libs/libnixl_capi.so");
-        if std::env::var_os("ROOTRANK_NIXL_DIR").is_some() || capi.is_file() {
-            return;
-        }
-        let status = Command::new("bash")
-            .arg(root.join("scripts/fetch-nixl.sh"))
-            .status()
-            .expect("run scripts/fetch-nixl.sh");
-        assert!(status.success(), "scripts/fetch-nixl.sh failed: {status}");
-        assert!(capi.is_file(), "fetch-nixl.sh did not produce {}", capi.display());
-    });
-}
-
+/// The tests' NIXL ([`nixl_dir`]: `ROOTRANK_NIXL_DIR`, else `<repo>/.cache/nixl`, fetched when
+/// missing). Panics (fails the test) when it does not load: these tests are never skipped.
 pub fn load() -> NixlLibrary {
-    ensure_nixl();
-    match NixlLibrary::load(None) {
+    let dir = nixl_dir().expect("NIXL for the tests");
+    match NixlLibrary::load(Some(&dir)) {
         Ok(lib) => lib,
         Err(e) => panic!("NIXL must load for these tests: {e}"),
     }
@@ -51,7 +30,7 @@ pub struct Peer {
 
 impl Peer {
     pub fn spawn(dir: &Path, name: &str, region_len: usize) -> Peer {
-        ensure_nixl();
+        let nixl = nixl_dir().expect("NIXL for the tests");
         let child = Command::new(PEER_BIN)
             .args([
                 "receive",
@@ -61,6 +40,7 @@ impl Peer {
                 "60",
             ])
             .current_dir(repo_root())
+            .env(NIXL_DIR_ENV, nixl)
             .stdin(Stdio::null())
             .spawn()
             .expect("spawn transfer-peer");
@@ -71,8 +51,8 @@ impl Peer {
         }
     }
 
-    pub fn pid(&self) -> i32 {
-        i32::try_from(self.child.id()).expect("pid fits i32")
+    pub fn pid(&self) -> u32 {
+        self.child.id()
     }
 
     /// Waits for the peer's metadata and region descriptor files.
@@ -122,12 +102,6 @@ impl Peer {
         }
     }
 
-    pub fn signal(&self, sig: i32) {
-        // SAFETY: kill(2) on our own child's pid; no memory is involved.
-        let rc = unsafe { libc::kill(self.pid(), sig) };
-        assert_eq!(rc, 0, "kill({}, {sig})", self.pid());
-    }
-
     /// Waits for the peer to exit, killing it after `within`.
     pub fn finish(&mut self, within: Duration) -> std::process::ExitStatus {
         let deadline = Instant::now() + within;
@@ -149,8 +123,7 @@ impl Drop for Peer {
         if let Ok(None) = self.child.try_wait() {
             // SIGCONT a possibly stopped child first, then kill and reap it,
             // so no peer outlives a failed test.
-            // SAFETY: kill(2) on our own, not yet reaped, child's pid.
-            unsafe { libc::kill(self.pid(), libc::SIGCONT) };
+            signal(self.pid(), libc::SIGCONT);
             let _ = self.child.kill();
             let _ = self.child.wait();
         }

@@ -1,15 +1,14 @@
-//! Shared by the node_* tests: a `rootrank node-watch` process and etcd reads.
-
-#![allow(dead_code)]
+//! A `rootrank node-watch` process, and reads of the live records and down certificates it
+//! and `rootrank run` write.
 
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use rootrank_store::etcd_client::{Client, GetOptions};
-use rootrank_testkit::eventually;
 
-pub const BIN: &str = env!("CARGO_BIN_EXE_rootrank");
+use crate::harness::{eventually, kill_child};
+use crate::rootrank_bin;
 
 /// A `rootrank node-watch` process with its log in a file.
 pub struct NodeWatch {
@@ -40,7 +39,7 @@ impl NodeWatch {
 
     fn spawn(&mut self) -> anyhow::Result<()> {
         let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.log)?;
-        let child = Command::new(BIN)
+        let child = Command::new(rootrank_bin())
             .args(["node-watch", "--etcd-endpoints", &self.endpoint])
             .args(&self.extra)
             .env("ROOTRANK_LOG", "info,rootrank_node=debug")
@@ -75,12 +74,11 @@ impl NodeWatch {
     /// SIGKILL, so it cannot tidy anything up.
     pub fn kill9(&mut self) {
         if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
+            kill_child(&mut c);
         }
     }
 
-    /// Killed and started again (same log file, appended).
+    /// Killed and started again, with an emptied log.
     pub fn restart(&mut self) -> anyhow::Result<()> {
         self.kill9();
         std::fs::write(&self.log, "")?;
@@ -106,19 +104,21 @@ pub struct Stored {
     pub version: i64,
 }
 
-/// Every key under `prefix`.
-pub async fn list(endpoint: &str, prefix: &str) -> anyhow::Result<Vec<Stored>> {
-    let mut c = client(endpoint).await?;
-    let resp = c.get(prefix, Some(GetOptions::new().with_prefix())).await?;
-    Ok(resp
-        .kvs()
-        .iter()
+fn stored(kvs: &[rootrank_store::etcd_client::KeyValue]) -> Vec<Stored> {
+    kvs.iter()
         .map(|kv| Stored {
             key: String::from_utf8_lossy(kv.key()).into_owned(),
             value: serde_json::from_slice(kv.value()).unwrap_or(serde_json::Value::Null),
             version: kv.version(),
         })
-        .collect())
+        .collect()
+}
+
+/// Every key under `prefix`.
+pub async fn list(endpoint: &str, prefix: &str) -> anyhow::Result<Vec<Stored>> {
+    let mut c = client(endpoint).await?;
+    let resp = c.get(prefix, Some(GetOptions::new().with_prefix())).await?;
+    Ok(stored(resp.kvs()))
 }
 
 pub fn down_prefix(group: &str, rank: u32) -> String {
@@ -142,4 +142,37 @@ pub async fn wait_certificate(endpoint: &str, group: &str, rank: u32, incarnatio
         }
     })
     .await
+}
+
+/// Every down certificate of `group/rank`, counted behind a revision barrier: waits for the
+/// first one, then writes a marker key (outside the `/rootrank/v1/` keyspace, so no rootrank
+/// process reacts to it) and reads the certificates as of the marker's revision. Every write
+/// etcd applied before the marker is in that count, so a duplicate certificate written at
+/// about the same time as the first one is not missed by counting at the moment the first
+/// appeared.
+pub async fn certificates_after_barrier(endpoint: &str, group: &str, rank: u32) -> anyhow::Result<Vec<Stored>> {
+    let prefix = down_prefix(group, rank);
+    eventually(
+        Duration::from_secs(30),
+        &format!("a certificate under {prefix}"),
+        || async { list(endpoint, &prefix).await.ok().filter(|v| !v.is_empty()) },
+    )
+    .await?;
+    let mut c = client(endpoint).await?;
+    let marker = format!("/rootrank-test/barrier/{group}/{rank}");
+    let put = c.put(marker.as_str(), "", None).await?;
+    let revision = put
+        .header()
+        .map(|h| h.revision())
+        .ok_or_else(|| anyhow::anyhow!("etcd put answered without a header"))?;
+    let at = |opts: GetOptions| opts.with_revision(revision);
+    let seen = c.get(marker.as_str(), Some(at(GetOptions::new()))).await?;
+    anyhow::ensure!(
+        seen.kvs().len() == 1,
+        "the barrier key is not visible at its own revision {revision}"
+    );
+    let resp = c
+        .get(prefix.as_str(), Some(at(GetOptions::new().with_prefix())))
+        .await?;
+    Ok(stored(resp.kvs()))
 }

@@ -1,0 +1,97 @@
+//! Small system helpers: ports, signals, `/proc` probes, paths.
+
+use std::path::{Path, PathBuf};
+
+/// The repository's root directory.
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// The `rootrank` binary under test: `$ROOTRANK_BIN`, else next to the test executable
+/// (`target/<profile>/rootrank`, tests live in `target/<profile>/deps/`).
+pub fn rootrank_bin() -> PathBuf {
+    if let Some(p) = std::env::var_os("ROOTRANK_BIN") {
+        return PathBuf::from(p);
+    }
+    let exe = std::env::current_exe().unwrap_or_default();
+    let profile_dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .map(Path::to_path_buf)
+        .unwrap_or_default();
+    profile_dir.join("rootrank")
+}
+
+/// A loopback TCP port nobody listened on a moment ago.
+pub fn free_port() -> std::io::Result<u16> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+    Ok(l.local_addr()?.port())
+}
+
+/// Sends signal `sig` to `pid`, best effort (for clean-ups, where the process may be gone
+/// already). Use [`try_signal`] when the test relies on the signal being delivered.
+pub fn signal(pid: u32, sig: i32) {
+    let _ = try_signal(pid, sig);
+}
+
+/// Sends signal `sig` to `pid`; an error when the process cannot be signalled (gone, or not
+/// ours), so a test never goes on believing it killed something it did not.
+pub fn try_signal(pid: u32, sig: i32) -> std::io::Result<()> {
+    let pid = libc::pid_t::try_from(pid).map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
+    // SAFETY: kill(2) touches no memory of ours.
+    if unsafe { libc::kill(pid, sig) } == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+/// Whether this process runs as root (effective uid 0).
+pub fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() == 0 }
+}
+
+/// Fails the calling test, loudly, when it does not run as root: a test that needs root must
+/// not report ok without having run. `test` is its name (for `--skip`), `why` what root is
+/// needed for.
+#[track_caller]
+pub fn require_root(test: &str, why: &str) {
+    assert!(
+        is_root(),
+        "{test} needs root ({why}); run the tests as root, or leave this one out with `cargo test -- --skip {test}`"
+    );
+}
+
+/// Whether `pid` is a live process (a zombie or a vanished pid is not).
+pub fn alive(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // The state follows the parenthesised command name.
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().next())
+            .is_some_and(|state| state != "Z" && state != "X"),
+        Err(_) => false,
+    }
+}
+
+/// Every process whose command line mentions `needle`, except ourselves, as `"PID: CMDLINE"`.
+pub fn processes_mentioning(needle: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let me = std::process::id().to_string();
+    if let Ok(dir) = std::fs::read_dir("/proc") {
+        for e in dir.flatten() {
+            let name = e.file_name().to_string_lossy().to_string();
+            if !name.chars().all(|c| c.is_ascii_digit()) || name == me {
+                continue;
+            }
+            if let Ok(cmd) = std::fs::read(e.path().join("cmdline")) {
+                let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+                if cmd.contains(needle) {
+                    out.push(format!("{name}: {cmd}"));
+                }
+            }
+        }
+    }
+    out
+}
