@@ -200,13 +200,20 @@ impl RetainedWriter {
 
     /// Counts a transient failure (said loudly at the third in a row), then sleeps the
     /// backoff; false when `deadline` would pass first.
-    async fn retry_after(&mut self, attempts: &mut u32, e: &WriteError, what: &str, deadline: Option<Instant>) -> bool {
+    async fn retry_after(
+        &mut self,
+        attempts: &mut u32,
+        e: &WriteError,
+        what: &str,
+        key: &str,
+        deadline: Option<Instant>,
+    ) -> bool {
         *attempts += 1;
         self.retries += 1;
         if *attempts == 3 {
-            warn!(error = %e, "{what} not written yet; retrying until etcd takes it");
+            warn!(error = %e, key, "{what} not written yet; retrying until etcd takes it");
         } else {
-            debug!(error = %e, "{what} not written yet; retrying");
+            debug!(error = %e, key, "{what} not written yet; retrying");
         }
         let pause = self.backoff.next_pause();
         if deadline.is_some_and(|d| crate::deadline_after(pause) > d) {
@@ -278,8 +285,17 @@ impl RetainedWriter {
                     return None;
                 }
                 Err(e) => {
-                    let what = format!("a batch of {} room failure records", batch.len());
-                    if !self.retry_after(&mut attempts, &e, &what, deadline).await {
+                    let what = format!("batch of {} room failure records", batch.len());
+                    if !self
+                        .retry_after(
+                            &mut attempts,
+                            &e,
+                            &what,
+                            batch.first().map_or("", |(k, _)| *k),
+                            deadline,
+                        )
+                        .await
+                    {
                         return Some(vec![Written::GaveUp; batch.len()]);
                     }
                 }
@@ -309,8 +325,10 @@ impl RetainedWriter {
                     return Written::Rejected;
                 }
                 Err(e) => {
-                    let described = format!("{} {}", what.kind(), what.key());
-                    if !self.retry_after(&mut attempts, &e, &described, deadline).await {
+                    if !self
+                        .retry_after(&mut attempts, &e, what.kind(), what.key(), deadline)
+                        .await
+                    {
                         return Written::GaveUp;
                     }
                 }
