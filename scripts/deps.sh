@@ -7,9 +7,10 @@
 #   clang libclang-dev g++       nixl-sys (bindgen, its C++ stub)
 #   prometheus                   promtool, to check the /metrics exposition
 #   wrk hey                      HTTP load for the benchmarks
+#   chromium                     the operator page's browser test (headless)
 set -euo pipefail
 
-PKGS=(etcd-server etcd-client protobuf-compiler libprotobuf-dev clang libclang-dev g++ prometheus wrk hey)
+PKGS=(etcd-server etcd-client protobuf-compiler libprotobuf-dev clang libclang-dev g++ prometheus wrk hey chromium)
 
 missing=()
 for p in "${PKGS[@]}"; do

@@ -104,11 +104,15 @@ async fn a_sigkilled_rank_fires_rank_down_through_prometheus_and_it_resolves_whe
     let mut r0 = Rank::start(&ep, "prom-0", 0, 2, 1_000).unwrap();
     let mut r1 = Rank::start(&ep, "prom-0", 1, 2, 1_000).unwrap();
     // Both replicas scraped, the group's ranks up.
-    eventually(Duration::from_secs(60), "both replicas scraped with the group up", || async {
-        let v = api(&prom, "/api/v1/query?query=rootrank_rank_up%7Bgroup%3D%22prom-0%22%7D").await?;
-        let series = v["data"]["result"].as_array()?;
-        (series.len() == 4 && series.iter().all(|s| s["value"][1] == "1")).then_some(())
-    })
+    eventually(
+        Duration::from_secs(60),
+        "both replicas scraped with the group up",
+        || async {
+            let v = api(&prom, "/api/v1/query?query=rootrank_rank_up%7Bgroup%3D%22prom-0%22%7D").await?;
+            let series = v["data"]["result"].as_array()?;
+            (series.len() == 4 && series.iter().all(|s| s["value"][1] == "1")).then_some(())
+        },
+    )
     .await
     .unwrap();
 
@@ -117,10 +121,14 @@ async fn a_sigkilled_rank_fires_rank_down_through_prometheus_and_it_resolves_whe
     for room in [7001u64, 7002] {
         r0.fail(room, "propagated", "other", "NIXL KVSender Exception").unwrap();
     }
-    let fired = eventually(Duration::from_secs(150), "RootrankRankDown firing for prom-0 rank 1", || async {
-        let f = firing_rank_down(&prom).await?;
-        f.contains(&("prom-0".to_string(), "1".to_string())).then_some(f)
-    })
+    let fired = eventually(
+        Duration::from_secs(150),
+        "RootrankRankDown firing for prom-0 rank 1",
+        || async {
+            let f = firing_rank_down(&prom).await?;
+            f.contains(&("prom-0".to_string(), "1".to_string())).then_some(f)
+        },
+    )
     .await
     .unwrap();
     assert!(
@@ -129,21 +137,30 @@ async fn a_sigkilled_rank_fires_rank_down_through_prometheus_and_it_resolves_whe
     );
 
     // The replicas fold the same etcd state: the root-cause counters read the same from both.
-    let by_instance = eventually(Duration::from_secs(30), "root causes scraped from both replicas", || async {
-        let q = "/api/v1/query?query=rootrank_root_causes_total%7Bgroup%3D%22prom-0%22%7D";
-        let v = api(&prom, q).await?;
-        let mut seen: Vec<(String, String, String, String)> = v["data"]["result"]
-            .as_array()?
-            .iter()
-            .map(|s| {
-                let m = &s["metric"];
-                let f = |k: &str| m[k].as_str().unwrap_or("").to_string();
-                (f("instance"), f("rank"), f("source"), s["value"][1].as_str().unwrap_or("").to_string())
-            })
-            .collect();
-        seen.sort();
-        (seen.len() == 2 && seen.iter().all(|s| s.3 == "2")).then_some(seen)
-    })
+    let by_instance = eventually(
+        Duration::from_secs(30),
+        "root causes scraped from both replicas",
+        || async {
+            let q = "/api/v1/query?query=rootrank_root_causes_total%7Bgroup%3D%22prom-0%22%7D";
+            let v = api(&prom, q).await?;
+            let mut seen: Vec<(String, String, String, String)> = v["data"]["result"]
+                .as_array()?
+                .iter()
+                .map(|s| {
+                    let m = &s["metric"];
+                    let f = |k: &str| m[k].as_str().unwrap_or("").to_string();
+                    (
+                        f("instance"),
+                        f("rank"),
+                        f("source"),
+                        s["value"][1].as_str().unwrap_or("").to_string(),
+                    )
+                })
+                .collect();
+            seen.sort();
+            (seen.len() == 2 && seen.iter().all(|s| s.3 == "2")).then_some(seen)
+        },
+    )
     .await
     .unwrap();
     assert_eq!(by_instance[0].1, "1", "{by_instance:?}");

@@ -27,6 +27,7 @@ pub const MAX_LONG_POLLS: usize = 4096;
 
 pub fn router(shared: Arc<Shared>) -> Router {
     Router::new()
+        .route("/", get(page))
         .route("/v1/rooms/{room}/verdict", get(verdict))
         .route("/v1/groups", get(groups))
         .route("/v1/groups/{group}", get(group))
@@ -400,6 +401,22 @@ async fn metrics(State(shared): State<Arc<Shared>>) -> Response {
         )
         .into_response(),
     }
+}
+
+/// The operator page (SPEC section 10): one self-contained file, compiled into the binary so
+/// it works where nothing can be fetched.
+const PAGE: &str = include_str!("page/index.html");
+
+async fn page() -> Response {
+    (
+        [
+            (header::CONTENT_TYPE, "text/html; charset=utf-8"),
+            (header::CACHE_CONTROL, "no-store"),
+            (header::X_CONTENT_TYPE_OPTIONS, "nosniff"),
+        ],
+        PAGE,
+    )
+        .into_response()
 }
 
 async fn readyz(State(shared): State<Arc<Shared>>) -> Response {

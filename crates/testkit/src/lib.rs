@@ -19,6 +19,8 @@ pub mod nixl;
 pub mod sys;
 
 #[cfg(feature = "etcd")]
+pub mod browser;
+#[cfg(feature = "etcd")]
 pub mod harness;
 #[cfg(feature = "etcd")]
 pub mod node;
@@ -29,5 +31,7 @@ pub use cgroup::MemoryCgroup;
 pub use nixl::nixl_dir;
 pub use sys::{alive, free_port, processes_mentioning, repo_root, require_root, rootrank_bin, signal, try_signal};
 
+#[cfg(feature = "etcd")]
+pub use browser::Browser;
 #[cfg(feature = "etcd")]
 pub use harness::{eventually, get, Coordinator, Etcd, EtcdCluster, Rank};

@@ -1,0 +1,224 @@
+//! The operator page (`GET /`) in a real browser: headless Chromium from Debian, driven over
+//! the DevTools protocol, against a real coordinator and real rank processes. A SIGKILLed
+//! rank turns `down` on the open page without a reload, a room lookup shows the culprit, a
+//! replica that loses etcd says so, and 4,096 ranks render without freezing the page.
+//! Screenshots are written to `target/operator-page*.png`.
+
+use std::time::{Duration, Instant};
+
+use rootrank_testkit::{Browser, Coordinator, Etcd, Rank};
+
+fn artifact(name: &str, png: &[u8]) {
+    assert!(png.starts_with(b"\x89PNG\r\n\x1a\n"), "a PNG");
+    let dir = rootrank_testkit::repo_root().join("target");
+    let _ = std::fs::create_dir_all(&dir);
+    let path = dir.join(name);
+    std::fs::write(&path, png).unwrap();
+    eprintln!("screenshot: {} ({} bytes)", path.display(), png.len());
+}
+
+/// The state the page shows for one rank's cell.
+fn cell(group: &str, rank: u32) -> String {
+    format!(
+        r#"(document.querySelector('.group[data-group="{group}"] .cell[data-rank="{rank}"]') || {{dataset: {{}}}}).dataset.state || null"#
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_page_shows_a_death_live_and_explains_a_room() {
+    let mut etcd = Etcd::start().unwrap();
+    let ep = etcd.endpoint();
+    let coord = Coordinator::start(&ep, &[]).await.unwrap();
+    let mut prefill: Vec<Rank> = (0..4)
+        .map(|r| Rank::start(&ep, "prefill-0", r, 4, 1_000).unwrap())
+        .collect();
+    let _decode: Vec<Rank> = (0..2)
+        .map(|r| Rank::start(&ep, "decode-0", r, 2, 1_000).unwrap())
+        .collect();
+    // A transfer failure rank 1 saw first-hand, and the others' generic error.
+    prefill[1]
+        .fail(4242, "local", "nixl_error", "NIXL_ERR_BACKEND to decode-0 rank 1")
+        .unwrap();
+    prefill[0]
+        .fail(4242, "propagated", "other", "NIXL KVSender Exception")
+        .unwrap();
+
+    let url = coord.url.clone();
+    let mut prefill_2 = prefill.remove(2);
+    let page = tokio::task::spawn_blocking(move || -> anyhow::Result<()> {
+        let mut b = Browser::start(1280, 800)?;
+        b.navigate(&url)?;
+        b.wait_for(
+            "document.querySelectorAll('.group').length === 2",
+            Duration::from_secs(20),
+            "both groups",
+        )?;
+        b.wait_for(
+            "[...document.querySelectorAll('.cell')].filter(c => c.dataset.state === 'live').length === 6",
+            Duration::from_secs(20),
+            "six live cells",
+        )?;
+        assert_eq!(b.eval(&cell("prefill-0", 2))?, "live");
+        // A marker a reload would wipe.
+        b.eval("window.__still_this_page = 42")?;
+
+        prefill_2.kill9();
+        b.wait_for(
+            &format!("{} === 'down'", cell("prefill-0", 2)),
+            Duration::from_secs(30),
+            "rank 2 down",
+        )?;
+        assert_eq!(b.eval("window.__still_this_page")?, 42, "no reload");
+        assert_eq!(b.eval(&cell("prefill-0", 1))?, "live");
+        b.wait_for(
+            "document.getElementById('summary').textContent.includes('1 rank down in 1 group')",
+            Duration::from_secs(10),
+            "the count of dead ranks on top",
+        )?;
+
+        // The room lookup renders the verdict as `rootrank why` does.
+        b.eval("document.getElementById('room').value = '4242'; document.getElementById('lookup').requestSubmit()")?;
+        let shown = b.wait_for(
+            "document.getElementById('verdict').dataset.status && document.getElementById('verdict').textContent",
+            Duration::from_secs(10),
+            "the verdict",
+        )?;
+        let shown = shown.as_str().unwrap_or("").to_string();
+        assert!(shown.contains("room 4242: resolved -> abort"), "{shown}");
+        assert!(shown.contains("culprit: prefill-0 rank 1"), "{shown}");
+        assert!(shown.contains("reason:  nixl_error (from room_record)"), "{shown}");
+        // The recent root causes name the culprit with its advice.
+        b.wait_for(
+            "document.getElementById('failures').textContent.includes('prefill-0 rank 1')",
+            Duration::from_secs(10),
+            "the root cause listed",
+        )?;
+        artifact("operator-page.png", &b.screenshot()?);
+        Ok(())
+    });
+    page.await.unwrap().unwrap();
+
+    // A replica that loses etcd says so on the page, and recovers by itself.
+    let url = coord.url.clone();
+    let mut b = tokio::task::spawn_blocking(move || -> anyhow::Result<Browser> {
+        let mut b = Browser::start(1280, 800)?;
+        b.navigate(&url)?;
+        b.wait_for(
+            "document.querySelectorAll('.group').length === 2",
+            Duration::from_secs(20),
+            "groups",
+        )?;
+        Ok(b)
+    })
+    .await
+    .unwrap()
+    .unwrap();
+    etcd.kill();
+    let mut b = tokio::task::spawn_blocking(move || -> anyhow::Result<Browser> {
+        let shown = b.wait_for(
+            "document.getElementById('banner').classList.contains('show') && document.getElementById('banner').textContent",
+            Duration::from_secs(60),
+            "the not-current banner",
+        )?;
+        assert!(shown.as_str().unwrap_or("").contains("not current with etcd"), "{shown}");
+        Ok(b)
+    })
+    .await
+    .unwrap()
+    .unwrap();
+    etcd.restart().unwrap();
+    tokio::task::spawn_blocking(move || {
+        b.wait_for(
+            "!document.getElementById('banner').classList.contains('show')",
+            Duration::from_secs(60),
+            "the banner gone",
+        )
+    })
+    .await
+    .unwrap()
+    .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_thousand_ranks_render_without_freezing_the_page() {
+    use rootrank_core::records::{RankLive, SCHEMA_VERSION};
+    use rootrank_core::{GroupId, Keys};
+    use rootrank_store::etcd_client::{PutOptions, Txn, TxnOp};
+
+    let etcd = Etcd::start().unwrap();
+    let ep = etcd.endpoint();
+    // 512 groups of 8 live ranks, written straight into etcd on one long lease.
+    let mut c = rootrank_store::connect(std::slice::from_ref(&ep)).await.unwrap();
+    let lease = c.lease_grant(600, None).await.unwrap().id();
+    let keys = Keys::new("/rootrank/v1");
+    let mut ops = Vec::new();
+    for g in 0..512u32 {
+        let group = GroupId::new(&format!("{}-{g:03}", if g % 2 == 0 { "prefill" } else { "decode" })).unwrap();
+        for r in 0..8u32 {
+            let live = RankLive {
+                v: SCHEMA_VERSION,
+                group: group.clone(),
+                rank: r,
+                group_size: 8,
+                role: Some(if g % 2 == 0 { "prefill" } else { "decode" }.into()),
+                host: Some(format!("node-{:03}", g / 4)),
+                pid: Some(10_000 + g * 8 + r),
+                boot_id: None,
+                started_at: None,
+                lease_ttl_ms: Some(600_000),
+                agent: None,
+                nixl_agent: None,
+                gpu: None,
+            };
+            ops.push(TxnOp::put(
+                keys.live(&group, r),
+                serde_json::to_vec(&live).unwrap(),
+                Some(PutOptions::new().with_lease(lease)),
+            ));
+        }
+    }
+    for chunk in ops.chunks(128) {
+        c.txn(Txn::new().and_then(chunk.to_vec())).await.unwrap();
+    }
+    let coord = Coordinator::start(&ep, &[]).await.unwrap();
+    // One rank of one group goes down: it must stand out among 4,096.
+    c.delete(keys.live(&GroupId::new("decode-301").unwrap(), 5), None)
+        .await
+        .unwrap();
+
+    let url = coord.url.clone();
+    tokio::task::spawn_blocking(move || -> anyhow::Result<()> {
+        let mut b = Browser::start(1280, 900)?;
+        let started = Instant::now();
+        b.navigate(&url)?;
+        b.wait_for(
+            "document.querySelectorAll('.cell').length === 4096",
+            Duration::from_secs(60),
+            "4,096 cells",
+        )?;
+        let rendered = started.elapsed();
+        b.wait_for(
+            &format!("{} === 'down'", cell("decode-301", 5)),
+            Duration::from_secs(30),
+            "the dead rank",
+        )?;
+        // The page keeps answering while it polls: a round trip through its event loop.
+        let t = Instant::now();
+        let v = b.eval("new Promise(r => setTimeout(() => r(document.querySelectorAll('.group.bad').length), 0))")?;
+        eprintln!(
+            "4,096 ranks: all cells in {rendered:?}; an event-loop round trip {:?} while polling",
+            t.elapsed()
+        );
+        assert_eq!(v, 1, "exactly one group shows a dead rank");
+        // The group with the dead rank is listed first.
+        assert_eq!(
+            b.eval("document.querySelector('#groups .group').dataset.group")?,
+            "decode-301"
+        );
+        artifact("operator-page-4096.png", &b.screenshot()?);
+        Ok(())
+    })
+    .await
+    .unwrap()
+    .unwrap();
+}
