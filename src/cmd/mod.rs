@@ -44,7 +44,7 @@ pub struct EtcdArgs {
 /// Flags shared by the coordinator's clients.
 #[derive(clap::Args, Debug, Clone)]
 pub struct CoordinatorArgs {
-    /// The coordinator's URL.
+    /// The coordinator's URL, or several replicas comma-separated (tried in turn).
     #[arg(long, env = "ROOTRANK_COORDINATOR", default_value = "http://127.0.0.1:9750")]
     pub coordinator: String,
 }
