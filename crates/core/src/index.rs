@@ -628,6 +628,17 @@ impl Index {
             }
             Some(d) => {
                 // Refines the same death: same death, better reason and detail.
+                // The earlier of the two times is the death's: a vanished key is seen a TTL
+                // late, and a death cannot come after its live key vanished. Never later, so a
+                // death inside a room's windows stays inside them (rule 2). But a time this
+                // replica only observed (a vanished key, not yet certified) gives way to the
+                // certificate's: replicas observe at different instants, and a verdict must be
+                // a function of etcd state, the same on every replica and after a reload.
+                d.at_ms = if d.evidence == DeathEvidence::Vanished {
+                    at_ms
+                } else {
+                    d.at_ms.min(at_ms)
+                };
                 d.revision = d.revision.min(first_seen);
                 d.reason = reason;
                 d.detail = rec.detail;
@@ -638,10 +649,6 @@ impl Index {
                 d.host = rec.host.or(d.host.take());
                 d.pid = rec.pid.or(d.pid);
                 d.has_certificate = true;
-                // The earlier of the two times is the death's: a vanished key is seen a TTL
-                // late, and a death cannot come after its live key vanished. Never later, so a
-                // death inside a room's windows stays inside them (rule 2).
-                d.at_ms = d.at_ms.min(at_ms);
             }
             None => {
                 self.deaths.insert(
