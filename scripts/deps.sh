@@ -8,9 +8,10 @@
 #   prometheus                   promtool, to check the /metrics exposition
 #   wrk hey                      HTTP load for the benchmarks
 #   chromium                     the operator page's browser test (headless)
+#   nftables iproute2            the partition tests (network namespaces, blackhole rules)
 set -euo pipefail
 
-PKGS=(etcd-server etcd-client protobuf-compiler libprotobuf-dev clang libclang-dev g++ prometheus wrk hey chromium)
+PKGS=(etcd-server etcd-client protobuf-compiler libprotobuf-dev clang libclang-dev g++ prometheus wrk hey chromium nftables iproute2)
 
 missing=()
 for p in "${PKGS[@]}"; do

@@ -144,6 +144,13 @@ fn release_freed_memory() {
     }
 }
 
+/// How often the watch asks etcd for a progress notification.
+const PROGRESS_EVERY: Duration = Duration::from_secs(1);
+
+/// How long etcd may stay silent (no event, no progress) before this replica stops calling
+/// itself current: the partition-detection bound, plus up to one `PROGRESS_EVERY`.
+pub const SILENT_LIMIT: Duration = Duration::from_secs(3);
+
 enum WatchEnd {
     Compacted,
     Broken(String),
@@ -164,16 +171,44 @@ async fn watch(
         .with_start_revision(start)
         .with_prev_key()
         .with_progress_notify();
-    let mut stream = match client.watch(prefix.as_str(), Some(opts)).await {
-        Ok(s) => s,
-        Err(e) => return WatchEnd::Broken(e.to_string()),
+    let created = tokio::time::timeout(
+        rootrank_store::REQUEST_TIMEOUT,
+        client.watch(prefix.as_str(), Some(opts)),
+    )
+    .await;
+    let (mut requests, mut stream) = match created {
+        Ok(Ok(s)) => s.split(),
+        Ok(Err(e)) => return WatchEnd::Broken(e.to_string()),
+        Err(_) => {
+            return WatchEnd::Broken(format!(
+                "etcd did not open a watch within {:?}",
+                rootrank_store::REQUEST_TIMEOUT
+            ))
+        }
     };
+    // A blackholed etcd (no reset, no error) would leave the stream silent for ever, and this
+    // replica answering as if current: ask for progress every second, and give the watch up
+    // (not ready) when etcd has said nothing for SILENT_LIMIT.
+    let mut tick = tokio::time::interval(PROGRESS_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut last_heard = tokio::time::Instant::now();
     loop {
-        let msg = match stream.message().await {
+        let next = tokio::select! {
+            m = stream.message() => m,
+            _ = tick.tick() => {
+                if last_heard.elapsed() > SILENT_LIMIT {
+                    return WatchEnd::Broken(format!("etcd said nothing for {SILENT_LIMIT:?} (partitioned?)"));
+                }
+                let _ = tokio::time::timeout(PROGRESS_EVERY, requests.request_progress()).await;
+                continue;
+            }
+        };
+        let msg = match next {
             Ok(Some(m)) => m,
             Ok(None) => return WatchEnd::Broken("watch stream ended".into()),
             Err(e) => return WatchEnd::Broken(e.to_string()),
         };
+        last_heard = tokio::time::Instant::now();
         if msg.compact_revision() > 0 {
             return WatchEnd::Compacted;
         }
