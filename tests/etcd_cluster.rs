@@ -76,7 +76,33 @@ async fn a_watch_resumed_after_compaction_reloads_the_index() {
     let mut c = Client::connect([other.clone()], None).await.unwrap();
     let rev = c.get("/", None).await.unwrap().header().unwrap().revision();
     c.compact(rev, None).await.unwrap();
+    // The coordinator is held still until its member has applied the compaction: a member
+    // just back may serve a watch from its own older state for a moment, and then the
+    // resumed watch would not meet the compaction this test is about.
+    let coord_pid = coord.pid().unwrap();
+    rootrank_testkit::signal(coord_pid, libc::SIGSTOP);
     cluster.members[0].restart().unwrap();
+    let mine = cluster.members[0].endpoint();
+    eventually(
+        Duration::from_secs(30),
+        "the compaction applied on the coordinator's member",
+        || {
+            let mine = mine.clone();
+            async move {
+                let mut m = Client::connect([mine], None).await.ok()?;
+                let old = m
+                    .get(
+                        "/",
+                        Some(rootrank_store::etcd_client::GetOptions::new().with_revision(rev - 1)),
+                    )
+                    .await;
+                matches!(old, Err(e) if e.to_string().contains("compacted")).then_some(())
+            }
+        },
+    )
+    .await
+    .unwrap();
+    rootrank_testkit::signal(coord_pid, libc::SIGCONT);
     for room in 801..811u64 {
         let v = eventually(Duration::from_secs(30), "a room written during the outage", || async {
             let (s, v) = coord.get(&format!("/v1/rooms/{room}/verdict")).await.ok()?;

@@ -65,7 +65,7 @@ impl Api {
             return Ok(body);
         }
         Err(anyhow!(
-            "no coordinator replica answered ({}); is `rootrank serve` running? set --coordinator or ROOTRANK_COORDINATOR",
+            "cannot reach the coordinator: no replica answered ({}); is `rootrank serve` running? set --coordinator or ROOTRANK_COORDINATOR",
             if tried.is_empty() { "timed out".to_string() } else { tried.join("; ") }
         ))
     }
