@@ -75,7 +75,12 @@ async fn a_watch_resumed_after_compaction_reloads_the_index() {
     r.flush().unwrap();
     let mut c = Client::connect([other.clone()], None).await.unwrap();
     let rev = c.get("/", None).await.unwrap().header().unwrap().revision();
-    c.compact(rev, None).await.unwrap();
+    c.compact(
+        rev,
+        Some(rootrank_store::etcd_client::CompactionOptions::new().with_physical()),
+    )
+    .await
+    .unwrap();
     // The coordinator is held still until its member has applied the compaction: a member
     // just back may serve a watch from its own older state for a moment, and then the
     // resumed watch would not meet the compaction this test is about.
