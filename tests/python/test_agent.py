@@ -195,6 +195,27 @@ def test_coordinator_client_survives_the_server_closing_an_idle_connection(etcd,
         server.kill()
 
 
+def test_coordinator_client_fails_over_a_replica_killed_mid_long_poll(etcd, coordinator, tmp):
+    import threading
+    second = Coordinator(etcd, tmp)
+    try:
+        with rootrank.Agent("py-midpoll", 0, 1, etcd_endpoints=etcd.url, lease_ttl_ms=30000) as a:
+            assert a.wait_registered(10)
+            client = rootrank.Coordinator([coordinator.url, second.url])
+            answer = {}
+            asking = threading.Thread(
+                target=lambda: answer.update(client.verdict(4711, group="py-midpoll", wait_ms=20000, timeout_s=30)))
+            asking.start()
+            time.sleep(1.0)  # the long poll waits on the first replica
+            coordinator.kill()
+            a.record_failure(4711, "transfer_timeout", "no notification in 30 s")
+            asking.join(35)
+            assert answer.get("status") == "resolved", answer
+            assert answer["culprit"]["reason"] == "transfer_timeout"
+    finally:
+        second.kill()
+
+
 def test_imports_without_torch_or_sglang():
     import subprocess
     import sys
