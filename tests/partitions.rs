@@ -122,6 +122,15 @@ async fn status(url: &str) -> Option<(u16, serde_json::Value)> {
     rootrank_testkit::get(url).await.ok()
 }
 
+/// Waits until the coordinator at `url` says it is current with etcd.
+async fn ready(url: &str, timeout: Duration) {
+    eventually(timeout, &format!("{url}/readyz 200"), || async {
+        status(&format!("{url}/readyz")).await.filter(|(s, _)| *s == 200).map(|_| ())
+    })
+    .await
+    .unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_partitioned_replica_says_not_current_and_recovers_and_a_partitioned_rank_loses_nothing() {
     require_root("partitions", "network namespaces and nftables");
@@ -163,14 +172,7 @@ async fn a_partitioned_replica_says_not_current_and_recovers_and_a_partitioned_r
             .spawn()
             .unwrap(),
     );
-    eventually(Duration::from_secs(20), "replica A ready", || async {
-        status(&format!("{a_url}/readyz"))
-            .await
-            .filter(|(s, _)| *s == 200)
-            .map(|_| ())
-    })
-    .await
-    .unwrap();
+    ready(&a_url, Duration::from_secs(20)).await;
 
     // Ranks: a group on the host, and one rank inside the namespace.
     let mut host_ranks: Vec<Rank> = (0..3)
@@ -251,14 +253,7 @@ async fn a_partitioned_replica_says_not_current_and_recovers_and_a_partitioned_r
     // The heal: A is current again by itself and has the death; the rank's queue drains.
     ns.heal();
     let healed = Instant::now();
-    eventually(Duration::from_secs(60), "A ready again", || async {
-        status(&format!("{a_url}/readyz"))
-            .await
-            .filter(|(s, _)| *s == 200)
-            .map(|_| ())
-    })
-    .await
-    .unwrap();
+    ready(&a_url, Duration::from_secs(60)).await;
     eprintln!("replica A current again {:?} after the heal", healed.elapsed());
     eventually(
         Duration::from_secs(20),

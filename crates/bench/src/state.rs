@@ -13,13 +13,8 @@ use rootrank_store::etcd_client::{Client, PutOptions, Txn, TxnOp};
 /// etcd's default `--max-txn-ops`.
 pub const TXN_OPS: usize = 128;
 
-/// splitmix64: room ids that look like the router's random ones, reproducibly.
-pub fn mix(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^ (x >> 31)
-}
+/// splitmix64 (the simulator's): room ids that look like the router's random ones, reproducibly.
+pub use rootrank_sim::pattern::splitmix64 as mix;
 
 /// The room id of the `i`-th room of a data set `salt`.
 pub fn room_id(salt: u64, i: u64) -> u64 {

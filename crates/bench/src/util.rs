@@ -218,8 +218,7 @@ pub fn parse_duration(s: &str) -> anyhow::Result<Duration> {
 
 /// A free loopback port (racy, as every such helper; callers retry on bind errors).
 pub fn free_port() -> anyhow::Result<u16> {
-    let l = std::net::TcpListener::bind("127.0.0.1:0")?;
-    Ok(l.local_addr()?.port())
+    Ok(rootrank_store::embedded::free_port()?)
 }
 
 /// An HTTP client for loopback only, keeping connections between requests.
@@ -229,11 +228,6 @@ pub fn http_client(timeout: Duration) -> anyhow::Result<reqwest::Client> {
         .pool_max_idle_per_host(256)
         .no_proxy()
         .build()?)
-}
-
-/// Finds an executable on PATH.
-pub fn which(name: &str) -> Option<std::path::PathBuf> {
-    rootrank_store::embedded::which(name)
 }
 
 #[cfg(test)]
