@@ -125,7 +125,10 @@ async fn status(url: &str) -> Option<(u16, serde_json::Value)> {
 /// Waits until the coordinator at `url` says it is current with etcd.
 async fn ready(url: &str, timeout: Duration) {
     eventually(timeout, &format!("{url}/readyz 200"), || async {
-        status(&format!("{url}/readyz")).await.filter(|(s, _)| *s == 200).map(|_| ())
+        status(&format!("{url}/readyz"))
+            .await
+            .filter(|(s, _)| *s == 200)
+            .map(|_| ())
     })
     .await
     .unwrap();
