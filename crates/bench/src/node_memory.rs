@@ -5,11 +5,11 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use rootrank_core::{GroupId, Keys, RoomId};
+use rootrank_core::{GroupId, Keys};
 use serde_json::{json, Value};
 
 use crate::procs::{self, Env};
-use crate::state::{self, Put};
+use crate::state;
 use crate::util::rss_bytes;
 
 #[derive(Clone, Debug)]
@@ -51,28 +51,8 @@ pub async fn run(env: &Env, cfg: &NodeMemoryCfg) -> anyhow::Result<Value> {
     let gids: Vec<GroupId> = (0..cfg.groups.max(1))
         .map(|g| GroupId::new(&state::group_name("node", g)))
         .collect::<Result<_, _>>()?;
-    let retention = clients[0].clone().lease_grant(24 * 3600, None).await?.id();
-    let now = rootrank_store::unix_ms();
     let rooms = cfg.records.div_ceil(RANKS as usize);
-    let mut written = 0;
-    let mut start = 0;
-    while start < rooms {
-        let end = (start + 20_000).min(rooms);
-        let mut puts = Vec::with_capacity((end - start) * RANKS as usize);
-        for i in start..end {
-            let gid = &gids[i % gids.len()];
-            let room = state::room_id(8, i as u64);
-            for r in 0..RANKS {
-                puts.push(Put {
-                    key: keys.room(gid, RoomId::new(room)?, r),
-                    value: state::record_value(gid, r, room, r == 0, now)?,
-                    lease: Some(retention),
-                });
-            }
-        }
-        written += state::write_all(&clients, puts, 8).await?;
-        start = end;
-    }
+    let (_, written) = state::write_rooms(&clients, &keys, &gids, rooms, RANKS, 8).await?;
     let write_s = t.elapsed().as_secs_f64();
     let populated = measure(&bin, &dir, &endpoint, PREFIX).await?;
     let (e, p) = (empty["rss_bytes"].as_f64(), populated["rss_bytes"].as_f64());

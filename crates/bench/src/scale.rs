@@ -77,31 +77,7 @@ pub async fn run(env: &Env, cfg: &ScaleCfg) -> anyhow::Result<Value> {
     let t = Instant::now();
     let per_room = cfg.records_per_room.min(cfg.ranks).max(1);
     let rooms = cfg.records.div_ceil(per_room as usize);
-    let retention = clients[0].clone().lease_grant(24 * 3600, None).await?.id();
-    let now = rootrank_store::unix_ms();
-    let mut room_list = Vec::with_capacity(rooms);
-    let mut written = 0;
-    let mut start = 0;
-    while start < rooms {
-        let end = (start + 20_000).min(rooms);
-        let mut puts = Vec::with_capacity((end - start) * per_room as usize);
-        for i in start..end {
-            let gid = &gids[i % cfg.groups];
-            let room = state::room_id(42, i as u64);
-            for r in 0..per_room {
-                puts.push(Put {
-                    key: keys.room(gid, RoomId::new(room)?, r),
-                    value: state::record_value(gid, r, room, r == (i as u32 % per_room), now)?,
-                    lease: Some(retention),
-                });
-            }
-            room_list.push((gid.as_str().to_string(), room));
-        }
-        written += state::write_all(&clients, puts, 8)
-            .await
-            .with_context(|| format!("writing records ({written} written so far)"))?;
-        start = end;
-    }
+    let (room_list, written) = state::write_rooms(&clients, &keys, &gids, rooms, per_room, 42).await?;
     let records_s = t.elapsed().as_secs_f64();
     // Let etcd apply its backlog before the leases: a linearizable read waits for it.
     let t = Instant::now();

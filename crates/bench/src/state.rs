@@ -359,19 +359,39 @@ pub async fn populate(
         }
     }
     let live_keys = write_all(clients, puts, 16).await?;
+    let per_room = per_room.min(ranks).max(1);
+    let (room_list, records) = write_rooms(clients, &keys, &gids, rooms, per_room, salt).await?;
+    Ok(DataSet {
+        rooms: room_list,
+        records,
+        live_keys,
+        leases,
+    })
+}
+
+/// Writes `rooms` rooms' records (`per_room` ranks each, rank `i % per_room` of room `i`
+/// `local`, the others `propagated`) round-robin over `gids`, on one retention lease, in
+/// chunks so a million records never sit in memory as puts all at once. Returns every
+/// (group, room) and the records written.
+pub async fn write_rooms(
+    clients: &[Client],
+    keys: &Keys,
+    gids: &[GroupId],
+    rooms: usize,
+    per_room: u32,
+    salt: u64,
+) -> anyhow::Result<(Vec<(String, u64)>, usize)> {
+    const CHUNK: usize = 20_000;
     let retention = clients[0].clone().lease_grant(24 * 3600, None).await?.id();
     let now = rootrank_store::unix_ms();
-    let per_room = per_room.min(ranks).max(1);
     let mut room_list = Vec::with_capacity(rooms);
     let mut records = 0;
-    // Written in chunks so a million records never sit in memory as puts all at once.
-    const CHUNK: usize = 20_000;
     let mut start = 0;
     while start < rooms {
         let end = (start + CHUNK).min(rooms);
         let mut puts = Vec::with_capacity((end - start) * per_room as usize);
         for i in start..end {
-            let gid = &gids[i % groups];
+            let gid = &gids[i % gids.len()];
             let room = room_id(salt, i as u64);
             let local_rank = (i as u32) % per_room;
             for r in 0..per_room {
@@ -383,15 +403,12 @@ pub async fn populate(
             }
             room_list.push((gid.as_str().to_string(), room));
         }
-        records += write_all(clients, puts, 8).await?;
+        records += write_all(clients, puts, 8)
+            .await
+            .with_context(|| format!("writing records ({records} written so far)"))?;
         start = end;
     }
-    Ok(DataSet {
-        rooms: room_list,
-        records,
-        live_keys,
-        leases,
-    })
+    Ok((room_list, records))
 }
 
 /// Several connections to one etcd. Bulk loading gets a longer request timeout than
