@@ -108,3 +108,17 @@ async fn slow_clients_cannot_starve_the_others() {
         .unwrap_or(0.0);
     assert!(refused_total >= 5.0, "refusals counted: {refused_total}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bounds_of_any_size_are_taken_not_a_crash() {
+    let etcd = Etcd::start().unwrap();
+    let huge = u64::MAX.to_string();
+    let coord = Coordinator::start(
+        &etcd.endpoint(),
+        &["--max-connections", &huge, "--max-long-polls", &huge],
+    )
+    .await
+    .unwrap();
+    let (status, _) = coord.get("/v1/rooms/1/verdict?wait_ms=10").await.unwrap();
+    assert_eq!(status, 200);
+}

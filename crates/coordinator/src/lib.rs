@@ -78,7 +78,9 @@ impl Shared {
             ready: AtomicBool::new(false),
             revision_tx,
             metrics: metrics::Metrics::new()?,
-            long_polls: Arc::new(tokio::sync::Semaphore::new(config.max_long_polls.max(1))),
+            long_polls: Arc::new(tokio::sync::Semaphore::new(
+                config.max_long_polls.clamp(1, tokio::sync::Semaphore::MAX_PERMITS),
+            )),
             verdicts: http::VerdictCache::default(),
         }))
     }

@@ -34,7 +34,9 @@ pub async fn serve(
     shared: &Arc<Shared>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) {
-    let max = config.max_connections.max(1);
+    // Semaphore::new panics past MAX_PERMITS, and the drain below counts in u32: any larger
+    // bound is far beyond the file descriptors a process gets anyway.
+    let max = config.max_connections.clamp(1, u32::MAX as usize);
     let slots = Arc::new(Semaphore::new(max));
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut http1 = hyper::server::conn::http1::Builder::new();

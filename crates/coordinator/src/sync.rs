@@ -73,8 +73,9 @@ async fn run_in_span(config: CoordinatorConfig, shared: Arc<Shared>) {
             shared.metrics.watch_restarts.inc();
         }
         first_watch = false;
+        // From the last applied revision + 1 (so a re-created watch loses nothing).
         let from = shared.index.read().map(|i| i.revision()).unwrap_or(0) + 1;
-        match watch(&config, &shared, c, &cert_tx, &mut logged_invalid, &mut backoff)
+        match watch(&config, &shared, c, from, &cert_tx, &mut logged_invalid, &mut backoff)
             .instrument(info_span!("watch", from_revision = from))
             .await
         {
@@ -160,12 +161,12 @@ async fn watch(
     config: &CoordinatorConfig,
     shared: &Shared,
     mut client: Client,
+    start: i64,
     cert_tx: &mpsc::UnboundedSender<Output>,
     logged: &mut HashSet<String>,
     backoff: &mut Backoff,
 ) -> WatchEnd {
     let prefix = Keys::new(&config.index.prefix).root();
-    let start = shared.index.read().map(|i| i.revision()).unwrap_or(0) + 1;
     let opts = WatchOptions::new()
         .with_prefix()
         .with_start_revision(start)
