@@ -7,7 +7,7 @@ mod common;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{fill_pattern, fnv1a64, load, Peer};
+use common::{fill_region, fnv1a64, load, Peer};
 use rootrank_transfer::{TransferAgent, TransferError};
 
 #[test]
@@ -18,11 +18,7 @@ fn sigkill_of_receiver_mid_transfer_is_a_typed_error_and_peer_can_be_reloaded() 
     let mut peer = Peer::spawn(tmp.path(), "decode-rank1", LEN);
     let mut agent = TransferAgent::new(&lib, "prefill-rank1").expect("agent");
     let src = agent.register_dram(LEN).expect("register");
-    {
-        let mut bytes = vec![0u8; LEN];
-        fill_pattern(&mut bytes, 1);
-        agent.write_region(src, 0, &bytes).expect("bytes");
-    }
+    fill_region(&mut agent, src, 1);
     let (name, remote) = peer.connect(&mut agent);
 
     // The link works before the kill.

@@ -6,7 +6,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{fill_pattern, fnv1a64, load, Peer};
+use common::{fill_region, fnv1a64, load, Peer};
 use rootrank_testkit::try_signal;
 use rootrank_transfer::{TransferAgent, TransferError};
 
@@ -19,11 +19,7 @@ fn restarted_peer_is_reachable_after_replace_peer() {
     let mut first = Peer::spawn(tmp.path(), "decode-rank3", LEN);
     let mut agent = TransferAgent::new(&lib, "prefill-rank3").expect("agent");
     let src = agent.register_dram(LEN).expect("register");
-    {
-        let mut bytes = vec![0u8; LEN];
-        fill_pattern(&mut bytes, 9);
-        agent.write_region(src, 0, &bytes).expect("bytes");
-    }
+    fill_region(&mut agent, src, 9);
     let (name, old_region) = first.connect(&mut agent);
     agent
         .write(&name, src, 0, &old_region, 0, LEN, b"before", t)

@@ -6,7 +6,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{fill_pattern, fnv1a64, load, Peer};
+use common::{fill_region, fnv1a64, load, Peer};
 use rootrank_testkit::try_signal;
 use rootrank_transfer::{TransferAgent, TransferError};
 
@@ -18,11 +18,7 @@ fn sigstop_of_receiver_times_out_without_hanging() {
     let mut peer = Peer::spawn(tmp.path(), "decode-rank2", LEN);
     let mut agent = TransferAgent::new(&lib, "prefill-rank2").expect("agent");
     let src = agent.register_dram(LEN).expect("register");
-    {
-        let mut bytes = vec![0u8; LEN];
-        fill_pattern(&mut bytes, 3);
-        agent.write_region(src, 0, &bytes).expect("bytes");
-    }
+    fill_region(&mut agent, src, 3);
     let (name, remote) = peer.connect(&mut agent);
     agent
         .write(&name, src, 0, &remote, 0, LEN, b"warmup", Duration::from_secs(10))
@@ -62,11 +58,7 @@ fn sigstop_of_receiver_times_out_without_hanging() {
 
     // Resume: the peer works again and checks what a fresh write carries.
     try_signal(peer.pid(), libc::SIGCONT).expect("SIGCONT the peer");
-    {
-        let mut bytes = vec![0u8; LEN];
-        fill_pattern(&mut bytes, 4);
-        agent.write_region(src, 0, &bytes).expect("bytes");
-    }
+    fill_region(&mut agent, src, 4);
     let msg = format!("check:0:{LEN}:{:016x}", fnv1a64(&agent.region_to_vec(src).expect("b")));
     agent
         .write(&name, src, 0, &remote, 0, LEN, msg.as_bytes(), Duration::from_secs(10))

@@ -5,7 +5,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{fill_pattern, fnv1a64, load, Peer};
+use common::{fill_region, fnv1a64, load, Peer};
 use rootrank_transfer::TransferAgent;
 
 #[test]
@@ -19,11 +19,7 @@ fn cross_process_write_arrives_intact_with_notification() {
     let mut agent = TransferAgent::new(&lib, "prefill-rank0").expect("agent");
     eprintln!("sender agent up in {:?}", t0.elapsed());
     let src = agent.register_dram(LEN).expect("register");
-    {
-        let mut bytes = vec![0u8; LEN];
-        fill_pattern(&mut bytes, 42);
-        agent.write_region(src, 0, &bytes).expect("bytes");
-    }
+    fill_region(&mut agent, src, 42);
     let (name, remote) = peer.connect(&mut agent);
     assert_eq!(remote.len, LEN as u64);
 
@@ -39,11 +35,7 @@ fn cross_process_write_arrives_intact_with_notification() {
     assert!(line.ends_with(" ok"), "receiver says: {line}");
     assert!(line.starts_with("notif prefill-rank0 "), "sender name: {line}");
 
-    {
-        let mut bytes = vec![0u8; LEN];
-        fill_pattern(&mut bytes, 7);
-        agent.write_region(src, 0, &bytes).expect("bytes");
-    }
+    fill_region(&mut agent, src, 7);
     let part = &agent.region_to_vec(src).expect("bytes")[100..100 + 4096];
     let msg = format!("check:8192:4096:{:016x}", fnv1a64(part));
     agent

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use rootrank_testkit::nixl::NIXL_DIR_ENV;
 use rootrank_testkit::{nixl_dir, repo_root, signal};
-use rootrank_transfer::{NixlLibrary, RemoteRegion, TransferAgent};
+use rootrank_transfer::{NixlLibrary, RegionId, RemoteRegion, TransferAgent};
 
 pub const PEER_BIN: &str = env!("CARGO_BIN_EXE_transfer-peer");
 
@@ -136,8 +136,16 @@ pub fn fnv1a64(bytes: &[u8]) -> u64 {
     })
 }
 
+/// Fills a whole local region with the pattern of `seed` (through a copy: the agent hands
+/// out no slices over memory peers write into).
+pub fn fill_region(agent: &mut TransferAgent, region: RegionId, seed: u64) {
+    let mut bytes = vec![0u8; agent.region_len(region).expect("region")];
+    fill_pattern(&mut bytes, seed);
+    agent.write_region(region, 0, &bytes).expect("fill the region");
+}
+
 /// A deterministic, non-repeating-looking byte pattern.
-pub fn fill_pattern(buf: &mut [u8], seed: u64) {
+fn fill_pattern(buf: &mut [u8], seed: u64) {
     let mut x = seed | 1;
     for b in buf.iter_mut() {
         x ^= x << 13;
