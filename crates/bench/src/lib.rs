@@ -12,6 +12,8 @@
 //! 6. [`burst`]: a rank fails 500 rooms at once: records batched vs one put each, to verdicts.
 //! 7. [`keepalive`]: ranks one etcd core keeps alive at 5 s and 30 s lease TTLs.
 //! 8. [`node_memory`]: `rootrank node-watch`'s memory with a million records vs none.
+//! 9. [`startup`]: spawn to `/readyz` with a million records, by snapshot reader count, next
+//!    to the serial load before.
 //!
 //! Every figure goes into one JSON file with the machine's facts and the git revision; a
 //! Markdown table and an SVG of the latency distributions are made from it ([`report`]).
@@ -27,6 +29,7 @@ pub mod node_memory;
 pub mod procs;
 pub mod report;
 pub mod scale;
+pub mod startup;
 pub mod state;
 pub mod util;
 pub mod verdicts;
@@ -48,6 +51,7 @@ pub struct Suite {
     pub burst: Option<burst::BurstCfg>,
     pub keepalive: Option<keepalive::KeepaliveCfg>,
     pub node_memory: Option<node_memory::NodeMemoryCfg>,
+    pub startup: Option<startup::StartupCfg>,
 }
 
 impl Suite {
@@ -61,6 +65,7 @@ impl Suite {
             burst: Some(burst::BurstCfg::full()),
             keepalive: Some(keepalive::KeepaliveCfg::full()),
             node_memory: Some(node_memory::NodeMemoryCfg::full()),
+            startup: Some(startup::StartupCfg::full()),
         }
     }
     /// Tiny sizes, seconds long: for `cargo test` and `make bench-smoke`.
@@ -74,6 +79,7 @@ impl Suite {
             burst: Some(burst::BurstCfg::smoke()),
             keepalive: Some(keepalive::KeepaliveCfg::smoke()),
             node_memory: Some(node_memory::NodeMemoryCfg::smoke()),
+            startup: Some(startup::StartupCfg::smoke()),
         }
     }
 }
@@ -108,6 +114,7 @@ pub async fn run(env: &Env, suite: &Suite, mode: &str) -> Value {
     part!("burst", suite.burst, burst::run);
     part!("keepalive", suite.keepalive, keepalive::run);
     part!("node_memory", suite.node_memory, node_memory::run);
+    part!("startup", suite.startup, startup::run);
     let mut results = json!({
         "schema": "rootrank-bench/1",
         "mode": mode,

@@ -7,7 +7,8 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use rootrank_bench::{
-    agent_cost, burst, detection, ingest, keepalive, node_memory, scale, util::parse_duration, verdicts, Env, Suite,
+    agent_cost, burst, detection, ingest, keepalive, node_memory, scale, startup, util::parse_duration, verdicts, Env,
+    Suite,
 };
 
 // Counts allocations only while the core-index measurement turns it on (see alloc.rs).
@@ -153,6 +154,18 @@ enum Cmd {
         #[command(flatten)]
         out: Out,
     },
+    /// 9. Start-up: spawn to /readyz with a million records, by snapshot reader count,
+    ///    next to the serial load the coordinator did before.
+    Startup {
+        #[arg(long, default_value_t = 1_000_000)]
+        records: usize,
+        #[arg(long, default_value_t = 2_000)]
+        groups: usize,
+        #[arg(long, value_delimiter = ',', default_value = "1,2,4,8")]
+        readers: Vec<usize>,
+        #[command(flatten)]
+        out: Out,
+    },
     /// Re-make results.md and latency.svg from results.json.
     Report {
         #[command(flatten)]
@@ -167,6 +180,8 @@ enum Cmd {
         listen: SocketAddr,
         #[arg(long, default_value = "/rootrank/v1")]
         prefix: String,
+        #[arg(long, default_value_t = rootrank_store::DEFAULT_READERS)]
+        snapshot_readers: usize,
     },
     /// A rank with an embedded agent, driven over stdin.
     #[command(hide = true)]
@@ -201,8 +216,9 @@ fn real_main() -> anyhow::Result<ExitCode> {
             etcd_endpoints,
             listen,
             prefix,
+            snapshot_readers,
         } => {
-            rootrank_bench::procs::serve_coordinator(etcd_endpoints, listen, prefix)?;
+            rootrank_bench::procs::serve_coordinator(etcd_endpoints, listen, prefix, snapshot_readers)?;
             return Ok(ExitCode::SUCCESS);
         }
         Cmd::Rank {
@@ -364,6 +380,23 @@ fn real_main() -> anyhow::Result<ExitCode> {
             },
             "node_memory",
             out.out.unwrap_or_else(|| PathBuf::from("bench-results/node_memory")),
+        ),
+        Cmd::Startup {
+            records,
+            groups,
+            readers,
+            out,
+        } => (
+            Suite {
+                startup: Some(startup::StartupCfg {
+                    records,
+                    groups,
+                    readers,
+                }),
+                ..Suite::default()
+            },
+            "startup",
+            out.out.unwrap_or_else(|| PathBuf::from("bench-results/startup")),
         ),
         Cmd::Agent {
             calls,

@@ -83,6 +83,17 @@ impl Coordinator {
         prefix: &str,
         ready_timeout: Duration,
     ) -> anyhow::Result<Coordinator> {
+        Self::start_with(env, endpoint, prefix, ready_timeout, &[]).await
+    }
+
+    /// [`Coordinator::start`] with more arguments (`--snapshot-readers N`).
+    pub async fn start_with(
+        env: &Env,
+        endpoint: &str,
+        prefix: &str,
+        ready_timeout: Duration,
+        args: &[String],
+    ) -> anyhow::Result<Coordinator> {
         let mut last_err = None;
         for attempt in 0..3 {
             let port = crate::util::free_port()?;
@@ -92,6 +103,7 @@ impl Coordinator {
             let child = Command::new(&env.exe)
                 .args(["serve-coordinator", "--etcd-endpoints", endpoint, "--prefix", prefix])
                 .args(["--listen", &format!("127.0.0.1:{port}")])
+                .args(args)
                 .env(
                     "ROOTRANK_LOG",
                     std::env::var("ROOTRANK_LOG").unwrap_or_else(|_| "info".into()),
@@ -228,10 +240,16 @@ impl Drop for RankProc {
 }
 
 /// `rootrank-bench serve-coordinator`: the coordinator, as `rootrank serve` runs it.
-pub fn serve_coordinator(endpoints: Vec<String>, listen: std::net::SocketAddr, prefix: String) -> anyhow::Result<()> {
+pub fn serve_coordinator(
+    endpoints: Vec<String>,
+    listen: std::net::SocketAddr,
+    prefix: String,
+    snapshot_readers: usize,
+) -> anyhow::Result<()> {
     init_tracing();
     let mut config = rootrank_coordinator::CoordinatorConfig::new(endpoints, listen);
     config.index.prefix = prefix;
+    config.snapshot_readers = snapshot_readers.clamp(1, 64);
     // The same runtime shape as `rootrank serve` (src/cmd/mod.rs): 2 worker threads.
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

@@ -365,6 +365,18 @@ pub fn markdown(results: &Value) -> String {
                 ),
             ),
             (
+                "start to /readyz: serial load before / 1 reader / default readers",
+                format!(
+                    "{} s / {} s / {} s (etcd CPU {} / {} / {} s)",
+                    num(&sc["startup"]["before"]["load_s"], 2),
+                    num(&sc["startup"]["runs"][0]["start_to_ready_s"], 2),
+                    num(&sc["startup"]["runs"][1]["start_to_ready_s"], 2),
+                    num(&sc["startup"]["before"]["etcd_cpu_s"], 2),
+                    num(&sc["startup"]["runs"][0]["etcd_cpu_s"][0], 2),
+                    num(&sc["startup"]["runs"][1]["etcd_cpu_s"][0], 2),
+                ),
+            ),
+            (
                 "coordinator RSS empty / loaded / peak (HWM)",
                 format!(
                     "{:.1} / {:.1} / {:.1} MiB",
@@ -536,6 +548,27 @@ pub fn markdown(results: &Value) -> String {
                 num(&v["ranks_per_etcd_core"], 0),
                 v["failed"],
                 v["expired"]
+            );
+        }
+    }
+    let su = &s["startup"];
+    if su.is_object() {
+        let _ = writeln!(
+            m,
+            "\n## 9. Start-up ({} records, no leases)\n\n| load | spawn to /readyz s | coordinator CPU s | etcd CPU s |\n|---|---|---|---|\n| serial, before (in-process) | {} | {} | {} |",
+            su["setup"]["records"],
+            num(&su["before"]["load_s"], 2),
+            num(&su["before"]["loader_cpu_s"], 2),
+            num(&su["before"]["etcd_cpu_s"], 2)
+        );
+        for r in su["runs"].as_array().into_iter().flatten() {
+            let _ = writeln!(
+                m,
+                "| {} reader(s) | {} | {} | {} |",
+                r["readers"],
+                num(&r["start_to_ready_s"], 2),
+                num(&r["coordinator_cpu_s"], 2),
+                num(&r["etcd_cpu_s"][0], 2)
             );
         }
     }

@@ -156,6 +156,10 @@ pub async fn run(env: &Env, cfg: &ScaleCfg) -> anyhow::Result<Value> {
         .sum();
     let etcd_rss = rss_bytes(etcd_pid).map(|r| r.0).unwrap_or(0);
 
+    // Start-up, while the leases are kept alive: the serial load as it was, next to one and
+    // the default number of parallel snapshot readers.
+    let startup = crate::startup::compare(env, &endpoint, etcd_pid, &[1, rootrank_store::DEFAULT_READERS]).await?;
+
     // An empty coordinator (a prefix with nothing under it) for the baseline RSS.
     let empty = Coordinator::start(env, &endpoint, "/rootrank-empty/v1", Duration::from_secs(30)).await?;
     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -244,6 +248,7 @@ pub async fn run(env: &Env, cfg: &ScaleCfg) -> anyhow::Result<Value> {
             "hwm_bytes_per_record": per_record(hwm_loaded),
             "index_rooms_metric": index_rooms,
         },
+        "startup": startup,
         "verdict": {
             "run": verdict,
             "server_cpu_us_per_request": if verdict.requests > 0 { vcpu[0] * 1e6 / verdict.requests as f64 } else { 0.0 },
@@ -267,7 +272,7 @@ async fn live_ranks(url: &str) -> Option<u64> {
 }
 
 /// The Prometheus value of an unlabelled metric.
-async fn metric(url: &str, name: &str) -> Option<f64> {
+pub async fn metric(url: &str, name: &str) -> Option<f64> {
     let http = crate::util::http_client(Duration::from_secs(10)).ok()?;
     let text = http
         .get(format!("{url}/metrics"))

@@ -40,6 +40,9 @@ pub struct CoordinatorConfig {
     /// connection may sit idle (default [`server::HEADER_TIMEOUT`]): slow clients
     /// (slowloris) cannot hold connections for ever.
     pub header_timeout: Duration,
+    /// Concurrent range readers for the start-up snapshot (default
+    /// [`rootrank_store::DEFAULT_READERS`]): start-up time is failover time.
+    pub snapshot_readers: usize,
 }
 
 impl CoordinatorConfig {
@@ -53,6 +56,7 @@ impl CoordinatorConfig {
             max_long_polls: http::MAX_LONG_POLLS,
             max_connections: server::MAX_CONNECTIONS,
             header_timeout: server::HEADER_TIMEOUT,
+            snapshot_readers: rootrank_store::DEFAULT_READERS,
         }
     }
 }

@@ -262,6 +262,9 @@ pub struct Index {
     pub(crate) agents: BTreeMap<String, (GroupId, Rank)>,
     record_count: usize,
     interned_reasons: HashSet<Reason>,
+    /// While a snapshot loads: the latest time its events were observed. Rooms are decided
+    /// once, in `finish_snapshot`, with every key of the snapshot known (see there).
+    loading_now_ms: Option<i64>,
 }
 
 impl Index {
@@ -280,6 +283,7 @@ impl Index {
             root_causes: BTreeSet::new(),
             record_count: 0,
             interned_reasons: HashSet::new(),
+            loading_now_ms: None,
         }
     }
 
@@ -307,21 +311,27 @@ impl Index {
         self.revision = self.revision.max(revision);
     }
 
-    /// Loads a whole snapshot read at `revision` (see [`Index::load_snapshot_page`]).
+    /// Loads a whole snapshot read at `revision` into a new index (see
+    /// [`Index::load_snapshot_page`]).
     pub fn load_snapshot(&mut self, kvs: Vec<Event>, revision: i64) -> Vec<Output> {
         let out = self.load_snapshot_page(kvs);
         self.finish_snapshot(revision);
         out
     }
 
-    /// Applies one page of a snapshot (all puts at one revision), in any order: a snapshot
-    /// holds one live key per rank and one certificate per incarnation, records sort
-    /// themselves by revision, and a group's rank keys come before its rooms in key order.
-    /// So the coordinator applies pages as they arrive and never holds a million raw
-    /// key-values at once. (Property-tested against watching the whole history.)
+    /// Applies one page of a snapshot (all puts at one revision). Pages and the keys in them
+    /// may come in any order (a snapshot read in parallel parts): a snapshot holds one live
+    /// key per rank and one certificate per incarnation, records sort themselves by
+    /// revision, and no room is decided until [`Index::finish_snapshot`]. So the coordinator
+    /// applies pages as they arrive and never holds a million raw key-values at once.
+    /// (Property-tested against watching the whole history, and in shuffled order.)
     pub fn load_snapshot_page(&mut self, kvs: Vec<Event>) -> Vec<Output> {
         let mut out = Vec::new();
         for ev in kvs {
+            let observed = match &ev {
+                Event::Put { observed_at_ms, .. } | Event::Delete { observed_at_ms, .. } => *observed_at_ms,
+            };
+            self.loading_now_ms = Some(self.loading_now_ms.map_or(observed, |t| t.max(observed)));
             out.extend(self.apply(ev));
         }
         out
@@ -330,22 +340,19 @@ impl Index {
     /// Ends a snapshot read at `revision`: the index now reflects it.
     pub fn finish_snapshot(&mut self, revision: i64) {
         self.advance_to(revision);
-        // A snapshot comes in key order, so a room may have resolved on a record that was not
-        // its first: place every resolved room in the log by its final culprit, as a
-        // coordinator that watched would have.
-        // (In hash order: harmless, the log keeps the largest (revision, room) pairs whatever
-        // order they are inserted in.)
-        let resolved: Vec<RoomId> = self.rooms.iter().filter(|(_, e)| e.resolved).map(|(r, _)| *r).collect();
-        self.root_causes.clear();
-        for room in resolved {
-            let log_revision = self.log_revision(room);
-            if let Some(entry) = self.rooms.get_mut(&room) {
-                entry.root_cause_revision = Some(log_revision);
-            }
-            self.root_causes.insert((log_revision, room));
-            if self.root_causes.len() > self.config.root_cause_log {
-                self.root_causes.pop_first();
-            }
+        // Every room is decided now, once, with the whole snapshot known: deciding a room as
+        // its records arrived would depend on whether a death (a certificate in its group, or
+        // its peer's in another) had been read yet, so on the order of the parts. Deciding
+        // also places each resolved room in the root-cause log at the revision it had both
+        // its first record and its culprit, as a coordinator that watched would have.
+        let Some(now) = self.loading_now_ms.take() else {
+            return;
+        };
+        let waiting: BTreeSet<RoomId> = self.unresolved.values().flatten().copied().collect();
+        let mut discarded = Vec::new();
+        for room in waiting {
+            self.recheck_room(room, revision, now, &mut discarded);
+            discarded.clear(); // a reload's verdicts are not news (see the coordinator's load)
         }
     }
 
@@ -740,12 +747,17 @@ impl Index {
         });
         if !entry.resolved {
             self.unresolved.entry(group).or_default().insert(room);
-            self.recheck_room(room, revision, now, out);
+            if self.loading_now_ms.is_none() {
+                self.recheck_room(room, revision, now, out);
+            }
         }
     }
 
     /// A death landed in `group`: rooms waiting on it may now resolve.
     fn recheck_group(&mut self, group: &GroupId, revision: i64, now: i64, out: &mut Vec<Output>) {
+        if self.loading_now_ms.is_some() {
+            return; // a snapshot decides its rooms when it is complete
+        }
         let Some(rooms) = self.unresolved.get(group) else {
             return;
         };

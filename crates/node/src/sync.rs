@@ -134,7 +134,7 @@ pub(crate) async fn run(endpoints: Vec<String>, prefix: String, tx: mpsc::Unboun
 
 async fn load(
     keys: &Keys,
-    mut client: Client,
+    client: Client,
     tx: &mpsc::UnboundedSender<SyncMsg>,
 ) -> Result<i64, rootrank_store::etcd_client::Error> {
     // Page by page, keeping only live keys and certificate ids: room records (a million of
@@ -143,7 +143,8 @@ async fn load(
     let mut lives = Vec::new();
     let mut certified = HashSet::new();
     let prefix = format!("{}/groups/", keys.prefix());
-    let revision = rootrank_store::snapshot_pages(&mut client, &prefix, 0, |page| {
+    let readers = rootrank_store::DEFAULT_READERS;
+    let stats = rootrank_store::snapshot_pages(std::slice::from_ref(&client), &prefix, 0, readers, |page| {
         for ev in page {
             let rootrank_core::Event::Put {
                 key,
@@ -163,8 +164,10 @@ async fn load(
         }
     })
     .await?;
+    let revision = stats.revision;
     info!(
         revision,
+        keys = stats.keys,
         live = lives.len(),
         certificates = certified.len(),
         "node watchdog loaded the ranks from etcd"

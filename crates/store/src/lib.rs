@@ -7,7 +7,8 @@
 //!   coordinator certificate (keeping the revisions it carried).
 //! - [`RetentionLeases`]: records outlive their writer by the retention window, and etcd
 //!   forgets them after it, without ever riding on a liveness lease.
-//! - [`snapshot`]: the whole prefix at one revision, paginated.
+//! - [`snapshot_pages`]: the whole prefix at one revision, in parallel parts of short ranges
+//!   (etcd 3.4 walks a request's whole range whatever its limit).
 //! - [`RetainedWriter`]: records and certificates written until etcd takes them.
 //! - [`Backoff`]: retry pacing shared by every loop that talks to etcd.
 //! - [`embedded`]: a private etcd process, for `rootrank serve` on one machine and for tests.
@@ -15,13 +16,14 @@
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
 pub mod embedded;
 mod retained;
+mod snapshot;
 
 pub use retained::{LazyClient, Retained, RetainedWriter, WriteError, Written};
+pub use snapshot::{snapshot, snapshot_pages, Plan, SnapshotStats, DEFAULT_READERS, PAGE};
 
 use std::time::{Duration, Instant};
 
 use etcd_client::{Client, Compare, CompareOp, ConnectOptions, GetOptions, PutOptions, Txn, TxnOp};
-use rootrank_core::Event;
 
 pub use etcd_client;
 
@@ -252,85 +254,6 @@ impl RetentionLeases {
 /// Whether an etcd error says a lease is gone (expired, revoked, or etcd lost it).
 pub fn is_lease_not_found(e: &etcd_client::Error) -> bool {
     e.to_string().contains("requested lease not found")
-}
-
-/// Reads everything under `prefix` at one revision, in pages, so a million records do not
-/// exceed a gRPC message. Returns the key-values as events and the revision.
-pub async fn snapshot(
-    client: &mut Client,
-    prefix: &str,
-    observed_at_ms: i64,
-) -> Result<(Vec<Event>, i64), etcd_client::Error> {
-    let mut events = Vec::new();
-    let revision = snapshot_pages(client, prefix, observed_at_ms, |page| events.extend(page)).await?;
-    Ok((events, revision))
-}
-
-/// Like [`snapshot`], handing each page to `page` as it arrives (in key order), so the caller
-/// can apply and drop it. Returns the snapshot's revision.
-pub async fn snapshot_pages(
-    client: &mut Client,
-    prefix: &str,
-    observed_at_ms: i64,
-    mut page: impl FnMut(Vec<Event>),
-) -> Result<i64, etcd_client::Error> {
-    const PAGE: i64 = 5_000;
-    let end = prefix_end(prefix.as_bytes());
-    let mut start = prefix.as_bytes().to_vec();
-    let mut revision = 0;
-    loop {
-        let mut opts = GetOptions::new().with_range(end.clone()).with_limit(PAGE);
-        if revision > 0 {
-            opts = opts.with_revision(revision);
-        }
-        let mut resp = get_page(client, &start, opts).await?;
-        if revision == 0 {
-            revision = resp.header().map_or(0, |h| h.revision());
-        }
-        let more = resp.more();
-        let kvs = resp.take_kvs();
-        let Some(last) = kvs.last() else { break };
-        start = last.key().to_vec();
-        start.push(0);
-        page(
-            kvs.into_iter()
-                .map(|kv| Event::Put {
-                    key: kv.key().to_vec(),
-                    value: kv.value().to_vec(),
-                    lease: kv.lease(),
-                    revision: kv.mod_revision(),
-                    observed_at_ms,
-                })
-                .collect(),
-        );
-        if !more {
-            break;
-        }
-    }
-    Ok(revision)
-}
-
-/// One page of a snapshot, retried at the same revision: an etcd busy renewing thousands of
-/// leases can time a page out, and starting the whole snapshot over would never finish.
-async fn get_page(
-    client: &mut Client,
-    start: &[u8],
-    opts: GetOptions,
-) -> Result<etcd_client::GetResponse, etcd_client::Error> {
-    let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(2));
-    let mut attempt = 0;
-    loop {
-        match client.get(start.to_vec(), Some(opts.clone())).await {
-            Ok(r) => return Ok(r),
-            // A compacted revision cannot be read again: the caller starts a new snapshot.
-            Err(e) if attempt >= 20 || e.to_string().contains("compacted") => return Err(e),
-            Err(e) => {
-                attempt += 1;
-                tracing::debug!(error = %e, attempt, "snapshot page failed; retrying at the same revision");
-                tokio::time::sleep(backoff.next_pause()).await;
-            }
-        }
-    }
 }
 
 /// The smallest key greater than every key with this prefix.
