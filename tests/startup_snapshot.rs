@@ -121,6 +121,10 @@ async fn parallel_snapshot_readers_build_the_same_index_as_one() {
     .await
     .unwrap();
     assert!(log.contains("readers=8"), "{log}");
+    assert!(
+        !log.contains("busy_readers=1 "),
+        "the load was split between readers: {log}"
+    );
     // Every record and certificate, plus the first replica's presence key.
     let keys: u64 = log
         .split_whitespace()

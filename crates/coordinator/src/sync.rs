@@ -129,6 +129,7 @@ async fn load(
         requests = stats.requests,
         etcd_walked = stats.walked,
         readers,
+        busy_readers = stats.busy_readers,
         read_s,
         total_s = started.elapsed().as_secs_f64(),
         "snapshot read"

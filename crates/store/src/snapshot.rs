@@ -24,7 +24,7 @@ use std::time::Duration;
 
 use etcd_client::{Client, GetOptions};
 use rootrank_core::Event;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, Notify};
 use tokio::task::JoinSet;
 
 use crate::{prefix_end, Backoff};
@@ -46,6 +46,8 @@ pub struct SnapshotStats {
     /// Index entries etcd walked to answer (the sum of its counts): the cost that grows with
     /// the square of the keys when ranges are not bounded.
     pub walked: u64,
+    /// Readers that got a part to read.
+    pub busy_readers: u64,
 }
 
 /// Reads everything under `prefix` at one revision with `readers` concurrent readers
@@ -66,12 +68,14 @@ pub async fn snapshot_pages(
     };
     let revision = current_revision(client, prefix).await?;
     let plan = Arc::new(Mutex::new(Plan::new(prefix.as_bytes(), readers, PAGE)));
+    let progress = Arc::new(Notify::new());
     let (tx, mut rx) = mpsc::channel(readers * 2);
     let mut tasks = JoinSet::new();
     for reader in 0..readers {
         tasks.spawn(read_ranges(
             clients[reader % clients.len()].clone(),
             plan.clone(),
+            progress.clone(),
             reader,
             revision,
             observed_at_ms,
@@ -102,6 +106,7 @@ pub async fn snapshot_pages(
         keys,
         requests: plan.requests,
         walked: plan.walked,
+        busy_readers: plan.busy.iter().filter(|b| **b).count() as u64,
     })
 }
 
@@ -132,14 +137,27 @@ async fn current_revision(client: &Client, prefix: &str) -> Result<i64, etcd_cli
 async fn read_ranges(
     client: Client,
     plan: Arc<Mutex<Plan>>,
+    progress: Arc<Notify>,
     reader: usize,
     revision: i64,
     observed_at_ms: i64,
     tx: mpsc::Sender<Result<Vec<Event>, etcd_client::Error>>,
 ) {
     loop {
+        // Registered before the plan is asked, so a wake-up in between is not lost.
+        let answered = progress.notified();
         let next = plan.lock().unwrap_or_else(PoisonError::into_inner).next(reader);
-        let Some((start, end)) = next else { return };
+        let (start, end) = match next {
+            Next::Read { start, end } => (start, end),
+            Next::Wait => {
+                answered.await;
+                continue;
+            }
+            Next::Done => {
+                progress.notify_waiters();
+                return;
+            }
+        };
         let opts = GetOptions::new()
             .with_range(end)
             .with_limit(PAGE)
@@ -160,6 +178,7 @@ async fn read_ranges(
             more,
             kvs.last().map(|kv| kv.key()),
         );
+        progress.notify_waiters();
         if kvs.is_empty() {
             continue;
         }
@@ -208,6 +227,17 @@ async fn with_retries(
     }
 }
 
+/// What a reader does next.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Next {
+    /// Ask etcd for the keys in `[start, end)`.
+    Read { start: Vec<u8>, end: Vec<u8> },
+    /// Nothing to do until another reader's request comes back (its part may then be cut).
+    Wait,
+    /// Every key is read or being read by someone else.
+    Done,
+}
+
 /// Which range each reader asks for next. Pure: the readers report etcd's answers, and the
 /// plan moves their positions, sizes their ranges and hands work to idle readers.
 ///
@@ -225,6 +255,7 @@ pub struct Plan {
     parts: Vec<Part>,
     requests: u64,
     walked: u64,
+    busy: Vec<bool>,
 }
 
 /// One reader's share: keys in `[start, end)` are still to be read.
@@ -276,23 +307,39 @@ impl Plan {
             parts,
             requests: 0,
             walked: 0,
+            busy: vec![false; readers.max(1)],
         }
     }
 
-    /// The next range `[start, end)` reader `r` should ask for, or `None` when it has
-    /// nothing left and no other reader has a part worth splitting.
-    pub fn next(&mut self, r: usize) -> Option<(Vec<u8>, Vec<u8>)> {
-        if self.parts.get(r)?.is_empty() && !self.take_over(r) {
-            return None;
+    /// What reader `r` should do next.
+    pub fn next(&mut self, r: usize) -> Next {
+        let Some(mine) = self.parts.get(r) else {
+            return Next::Done;
+        };
+        if mine.is_empty() && !self.take_over(r) {
+            // Nothing to take now; a busy reader's part may be cut once its request is back.
+            return if self.parts.iter().any(|p| !p.is_empty()) {
+                Next::Wait
+            } else {
+                Next::Done
+            };
         }
-        let part = self.parts.get_mut(r)?;
+        let Some(part) = self.parts.get_mut(r) else {
+            return Next::Done;
+        };
         let len = part.once.take().unwrap_or(part.depth).min(part.start.len());
         let end = match ancestor_end(&part.start, len) {
             Some(e) if e < part.end => e,
             _ => part.end.clone(),
         };
         part.in_flight = Some(end.clone());
-        Some((part.start.clone(), end))
+        if let Some(busy) = self.busy.get_mut(r) {
+            *busy = true;
+        }
+        Next::Read {
+            start: part.start.clone(),
+            end,
+        }
     }
 
     /// Reader `r`'s request came back: `count` keys in its range (etcd counts past the
@@ -409,34 +456,51 @@ mod tests {
     use super::*;
     use std::collections::BTreeSet;
 
-    /// Drives a plan against an in-memory key set as etcd 3.4 would answer: returns the keys
-    /// read and the index entries walked (every key in each requested range).
-    fn run(keys: &BTreeSet<Vec<u8>>, prefix: &[u8], readers: usize, page: i64) -> (Vec<Vec<u8>>, usize, usize) {
+    /// Drives a plan against an in-memory key set as etcd 3.4 would answer, readers
+    /// concurrent: each round every reader with work sends a request, then all are answered.
+    /// Returns the keys read (by reader), the index entries walked (every key in each
+    /// requested range) and the requests.
+    fn run_readers(
+        keys: &BTreeSet<Vec<u8>>,
+        prefix: &[u8],
+        readers: usize,
+        page: i64,
+    ) -> (Vec<Vec<Vec<u8>>>, usize, usize) {
         let mut plan = Plan::new(prefix, readers, page);
-        let mut read = Vec::new();
+        let mut read = vec![Vec::new(); readers];
         let (mut walked, mut requests) = (0, 0);
-        let mut active: Vec<bool> = vec![true; readers];
-        // Round-robin over readers: each takes one request in turn, as if concurrent.
-        while active.iter().any(|a| *a) {
-            for (r, is_active) in active.iter_mut().enumerate() {
-                if !*is_active {
-                    continue;
+        loop {
+            let mut round = Vec::new();
+            let mut done = 0;
+            for r in 0..readers {
+                match plan.next(r) {
+                    Next::Read { start, end } => {
+                        assert!(start < end, "empty range asked: {start:?}..{end:?}");
+                        round.push((r, start, end));
+                    }
+                    Next::Wait => {}
+                    Next::Done => done += 1,
                 }
-                let Some((start, end)) = plan.next(r) else {
-                    *is_active = false;
-                    continue;
-                };
-                assert!(start < end, "empty range asked: {start:?}..{end:?}");
+            }
+            if round.is_empty() {
+                assert_eq!(done, readers, "readers wait with nobody reading");
+                return (read, walked, requests);
+            }
+            for (r, start, end) in round {
                 requests += 1;
-                let in_range: Vec<&Vec<u8>> = keys.range(start.clone()..end.clone()).collect();
+                let in_range: Vec<&Vec<u8>> = keys.range(start..end).collect();
                 walked += in_range.len();
                 let got: Vec<Vec<u8>> = in_range.iter().take(page as usize).map(|k| k.to_vec()).collect();
                 let more = in_range.len() > got.len();
                 plan.answered(r, in_range.len() as i64, more, got.last().map(|k| k.as_slice()));
-                read.extend(got);
+                read[r].extend(got);
             }
         }
-        (read, walked, requests)
+    }
+
+    fn run(keys: &BTreeSet<Vec<u8>>, prefix: &[u8], readers: usize, page: i64) -> (Vec<Vec<u8>>, usize, usize) {
+        let (read, walked, requests) = run_readers(keys, prefix, readers, page);
+        (read.concat(), walked, requests)
     }
 
     fn layout(groups: usize, rooms_per_group: usize, ranks: u32) -> BTreeSet<Vec<u8>> {
@@ -506,20 +570,26 @@ mod tests {
     fn parallel_readers_share_the_work() {
         let keys = layout(2_000, 20, 8);
         let mut plan = Plan::new(b"/p/v1/", 4, 500);
-        // Reader 0's first request covers everything; nobody can take part of it yet.
-        let (start, end) = plan.next(0).unwrap();
+        // Reader 0's first request covers everything; the others wait until it is back.
+        let Next::Read { start, end } = plan.next(0) else {
+            panic!("reader 0 reads first")
+        };
         assert_eq!((start.as_slice(), end.as_slice()), (&b"/p/v1/"[..], &b"/p/v10"[..]));
-        assert_eq!(plan.next(1), None);
+        assert_eq!(plan.next(1), Next::Wait);
         let all: Vec<&Vec<u8>> = keys.range(start..end).collect();
         plan.answered(0, all.len() as i64, true, Some(all[499]));
         // Now its part can be cut: the idle readers get disjoint parts after its position.
-        let a = plan.next(1).unwrap();
-        let b = plan.next(2).unwrap();
-        assert!(a.0 > *all[499] && b.0 > *all[499]);
-        assert!(a.0 != b.0);
-        let (_, walked, requests) = run(&keys, b"/p/v1/", 4, 500);
-        assert!(walked < 6 * keys.len());
-        assert!(requests > 0);
+        let (Next::Read { start: a, .. }, Next::Read { start: b, .. }) = (plan.next(1), plan.next(2)) else {
+            panic!("idle readers take parts")
+        };
+        assert!(a > *all[499] && b > *all[499] && a != b);
+        // Over the whole read, every reader reads a fair share.
+        let (read, walked, _) = run_readers(&keys, b"/p/v1/", 4, 5_000);
+        let n = keys.len();
+        for (r, got) in read.iter().enumerate() {
+            assert!(got.len() > n / 10, "reader {r} read {} of {n} keys", got.len());
+        }
+        assert!(walked < 4 * n, "walked {walked} for {n} keys");
     }
 
     #[test]

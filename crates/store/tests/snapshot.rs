@@ -103,6 +103,7 @@ async fn every_key_once_and_only_under_the_prefix_whatever_the_readers() {
             assert_eq!(got.get(k).map(|(v, _)| v), Some(v), "{readers} readers: {k}");
         }
         assert_eq!(stats.keys, want.len() as u64);
+        assert_eq!(stats.busy_readers, readers as u64, "every reader got a part");
         // Paging from the prefix to its end would walk sum(n - i * page) ~ n^2 / (2 page)
         // index entries (~9.7x n here); bounded ranges walk a small multiple of n.
         assert!(
