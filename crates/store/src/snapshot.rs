@@ -52,7 +52,8 @@ pub struct SnapshotStats {
 
 /// Reads everything under `prefix` at one revision with `readers` concurrent readers
 /// (spread over `clients`), handing each page to `page` as it arrives (in no particular
-/// order), so the caller can apply and drop it: at most two pages per reader wait in memory.
+/// order), so the caller can apply and drop it: at most two pages per reader are in memory (one
+/// waiting, one being read).
 pub async fn snapshot_pages(
     clients: &[Client],
     prefix: &str,
@@ -69,7 +70,7 @@ pub async fn snapshot_pages(
     let revision = current_revision(client, prefix).await?;
     let plan = Arc::new(Mutex::new(Plan::new(prefix.as_bytes(), readers, PAGE)));
     let progress = Arc::new(Notify::new());
-    let (tx, mut rx) = mpsc::channel(readers * 2);
+    let (tx, mut rx) = mpsc::channel(readers);
     let mut tasks = JoinSet::new();
     for reader in 0..readers {
         tasks.spawn(read_ranges(
