@@ -158,7 +158,8 @@ pub async fn run(env: &Env, cfg: &ScaleCfg) -> anyhow::Result<Value> {
 
     // Start-up, while the leases are kept alive: the serial load as it was, next to one and
     // the default number of parallel snapshot readers.
-    let startup = crate::startup::compare(env, &endpoint, etcd_pid, &[1, rootrank_store::DEFAULT_READERS]).await?;
+    let startup =
+        crate::startup::compare(env, &endpoint, etcd_pid, &[1, rootrank_store::DEFAULT_READERS], false).await?;
 
     // An empty coordinator (a prefix with nothing under it) for the baseline RSS.
     let empty = Coordinator::start(env, &endpoint, "/rootrank-empty/v1", Duration::from_secs(30)).await?;

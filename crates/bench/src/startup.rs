@@ -54,7 +54,7 @@ pub async fn run(env: &Env, cfg: &StartupCfg) -> anyhow::Result<Value> {
     let rooms = cfg.records.div_ceil(8);
     let (_, written) = state::write_rooms(&clients, &keys, &gids, rooms, 8, 42).await?;
     let write_s = t.elapsed().as_secs_f64();
-    let mut out = compare(env, &endpoint, etcd_pid, &cfg.readers).await?;
+    let mut out = compare(env, &endpoint, etcd_pid, &cfg.readers, true).await?;
     out["setup"] = json!({
         "records": written, "groups": cfg.groups, "write_s": write_s,
         "how": "room records only (8 per room), no leases kept alive; the scale part repeats the comparison with 32,000 live leases renewed meanwhile",
@@ -62,20 +62,21 @@ pub async fn run(env: &Env, cfg: &StartupCfg) -> anyhow::Result<Value> {
     Ok(out)
 }
 
-/// Start-up with the records already in etcd under the bench prefix: the load as it was
-/// (replayed in-process), then a real coordinator per reader count, spawn to `/readyz`.
-pub async fn compare(env: &Env, endpoint: &str, etcd_pid: u32, readers: &[usize]) -> anyhow::Result<Value> {
-    let me = std::process::id();
-    let mark = CpuMark::take(&[etcd_pid, me]);
-    let before = serial_before(endpoint).await?;
-    let (cpu, wall) = mark.since(&[etcd_pid, me]);
-    let before = json!({
-        "how": "one reader paging 5,000 keys at a time from the prefix to its end (the coordinator's load before parallel reads), applied to the same Index in this process",
-        "load_s": wall, "keys": before.0, "rooms": before.1,
-        "etcd_cpu_s": cpu[0], "loader_cpu_s": cpu[1],
-    });
+/// Start-up with the records already in etcd under the bench prefix: a real coordinator per
+/// reader count, spawn to `/readyz`, then the load as it was (replayed in-process). With
+/// `settle`, each load starts on an idle etcd: right after a million writes (or after the
+/// serial load's 100 million index walks) etcd is busy for a while by itself, and a load then
+/// measures that too.
+pub async fn compare(
+    env: &Env,
+    endpoint: &str,
+    etcd_pid: u32,
+    readers: &[usize],
+    settle: bool,
+) -> anyhow::Result<Value> {
     let mut runs = Vec::new();
     for &r in readers {
+        let settled_s = if settle { settle_etcd(etcd_pid).await } else { 0.0 };
         let mark = CpuMark::take(&[etcd_pid]);
         let args = vec!["--snapshot-readers".to_string(), r.to_string()];
         let coord = Coordinator::start_with(env, endpoint, PREFIX, Duration::from_secs(600), &args).await?;
@@ -87,8 +88,22 @@ pub async fn compare(env: &Env, endpoint: &str, etcd_pid: u32, readers: &[usize]
             "coordinator_cpu_s": crate::util::cpu_seconds(coord.pid).unwrap_or(f64::NAN),
             "etcd_cpu_s": etcd_cpu,
             "rooms": rooms,
-            "same_rooms_as_before": rooms == Some(before["rooms"].as_f64().unwrap_or(-1.0)),
+            "etcd_settled_s": settled_s,
         }));
+    }
+    let settled_s = if settle { settle_etcd(etcd_pid).await } else { 0.0 };
+    let me = std::process::id();
+    let mark = CpuMark::take(&[etcd_pid, me]);
+    let before = serial_before(endpoint).await?;
+    let (cpu, wall) = mark.since(&[etcd_pid, me]);
+    let before = json!({
+        "how": "one reader paging 5,000 keys at a time from the prefix to its end (the coordinator's load before parallel reads), applied to the same Index in this process",
+        "load_s": wall, "keys": before.0, "rooms": before.1,
+        "etcd_cpu_s": cpu[0], "loader_cpu_s": cpu[1], "etcd_settled_s": settled_s,
+    });
+    let before_rooms = before["rooms"].as_f64();
+    for run in &mut runs {
+        run["same_rooms_as_before"] = json!(run["rooms"].as_f64() == before_rooms);
     }
     let best = runs
         .iter()
@@ -106,6 +121,21 @@ pub async fn compare(env: &Env, endpoint: &str, etcd_pid: u32, readers: &[usize]
         "default_start_to_ready_s": default,
         "best_start_to_ready_s": best,
     }))
+}
+
+/// Waits (up to a minute) until etcd uses under 5% of a core over half a second. Returns
+/// how long that took.
+async fn settle_etcd(etcd_pid: u32) -> f64 {
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_secs(60) {
+        let mark = CpuMark::take(&[etcd_pid]);
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let (cpu, wall) = mark.since(&[etcd_pid]);
+        if cpu[0] / wall < 0.05 {
+            break;
+        }
+    }
+    started.elapsed().as_secs_f64()
 }
 
 /// The coordinator's snapshot load before parallel reads, kept here as the baseline: pages
