@@ -86,21 +86,25 @@ pub async fn snapshot_pages(
         ));
     }
     drop(tx);
-    // Ends when every reader is done (all senders dropped) or at the first error, which
-    // drops `tasks` and so aborts the other readers.
+    // Ends when every reader is done (all senders dropped), or at the first error or the
+    // first reader that stopped abnormally: returning drops `tasks`, which aborts the others
+    // (and readers waiting for a part that reader held would otherwise wait for ever).
     let mut keys = 0u64;
-    while let Some(next) = rx.recv().await {
-        let next = next?;
-        keys += next.len() as u64;
-        page(next);
-    }
-    while let Some(done) = tasks.join_next().await {
-        if let Err(e) = done {
-            // A reader cannot panic (no unwrap, no indexing past bounds), but if one did its
-            // ranges were never read: say so rather than return a partial snapshot.
-            return Err(etcd_client::Error::IoError(std::io::Error::other(format!(
-                "a snapshot reader stopped: {e}"
-            ))));
+    loop {
+        tokio::select! {
+            next = rx.recv() => match next {
+                Some(next) => {
+                    let next = next?;
+                    keys += next.len() as u64;
+                    page(next);
+                }
+                None => break,
+            },
+            Some(Err(e)) = tasks.join_next() => {
+                return Err(etcd_client::Error::IoError(std::io::Error::other(format!(
+                    "a snapshot reader stopped: {e}"
+                ))));
+            }
         }
     }
     let plan = plan.lock().unwrap_or_else(PoisonError::into_inner);

@@ -174,3 +174,29 @@ async fn one_revision_while_writers_keep_writing() {
     assert_eq!(got, want);
     assert!(got.values().all(|(_, rev)| *rev <= stats.revision));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_revision_compacted_mid_read_is_an_error_not_a_partial_snapshot() {
+    let (_dir, etcd) = start_etcd();
+    let mut client = Client::connect([etcd.endpoint()], None).await.unwrap();
+    write(&mut client, &layout(700, 16)).await;
+    // On the first page, a write moves etcd past the snapshot's revision and compacts up to
+    // it: the readers' remaining requests at the old revision cannot be answered.
+    let mut compactor = Some(client.clone());
+    let result = tokio::time::timeout(
+        std::time::Duration::from_secs(60),
+        rootrank_store::snapshot_pages(std::slice::from_ref(&client), PREFIX, 0, 4, |_page| {
+            if let Some(mut c) = compactor.take() {
+                tokio::spawn(async move {
+                    let put = c.put(format!("{PREFIX}late"), "x", None).await.unwrap();
+                    let rev = put.header().unwrap().revision();
+                    c.compact(rev, None).await.unwrap();
+                });
+            }
+        }),
+    )
+    .await
+    .expect("the read ends, it does not hang");
+    let err = result.expect_err("a compacted revision cannot give a whole snapshot");
+    assert!(err.to_string().contains("compacted"), "{err}");
+}
