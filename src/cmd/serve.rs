@@ -39,7 +39,7 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = rootrank_coordinator::server::HEADER_TIMEOUT.as_millis() as u64)]
     pub header_timeout_ms: u64,
     /// Concurrent readers of the start-up snapshot (each reads its own key ranges at one
-    /// revision); a replica is ready sooner with more, up to what etcd has cores for.
+    /// revision; 1 to 64); a replica is ready sooner with more, up to what etcd has cores for.
     #[arg(long, default_value_t = rootrank_store::DEFAULT_READERS)]
     pub snapshot_readers: usize,
 }
@@ -102,7 +102,7 @@ pub fn run(a: ServeArgs) -> anyhow::Result<ExitCode> {
         max_long_polls: a.max_long_polls,
         max_connections: a.max_connections,
         header_timeout: Duration::from_millis(a.header_timeout_ms.max(1)),
-        snapshot_readers: a.snapshot_readers.clamp(1, 64),
+        snapshot_readers: a.snapshot_readers,
     };
     eprintln!(
         "rootrank: coordinator on http://{} (etcd {})",

@@ -249,7 +249,7 @@ pub fn serve_coordinator(
     init_tracing();
     let mut config = rootrank_coordinator::CoordinatorConfig::new(endpoints, listen);
     config.index.prefix = prefix;
-    config.snapshot_readers = snapshot_readers.clamp(1, 64);
+    config.snapshot_readers = snapshot_readers;
     // The same runtime shape as `rootrank serve` (src/cmd/mod.rs): 2 worker threads.
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

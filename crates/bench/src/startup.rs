@@ -169,16 +169,7 @@ async fn serial_before(endpoint: &str) -> anyhow::Result<(usize, usize)> {
         start = last.key().to_vec();
         start.push(0);
         keys += kvs.len();
-        let page: Vec<Event> = kvs
-            .into_iter()
-            .map(|kv| Event::Put {
-                key: kv.key().to_vec(),
-                value: kv.value().to_vec(),
-                lease: kv.lease(),
-                revision: kv.mod_revision(),
-                observed_at_ms: now,
-            })
-            .collect();
+        let page: Vec<Event> = kvs.into_iter().map(|kv| rootrank_store::put_event(kv, now)).collect();
         let invalid = index
             .load_snapshot_page(page)
             .into_iter()

@@ -105,12 +105,11 @@ async fn load(
     // Pages are applied as they arrive (from parallel readers, in any order) and dropped:
     // the raw key-values of a million records never sit in memory at once.
     let started = std::time::Instant::now();
-    let readers = config.snapshot_readers;
     let stats = rootrank_store::snapshot_pages(
         std::slice::from_ref(&client),
         &prefix,
         rootrank_store::unix_ms(),
-        readers,
+        config.snapshot_readers,
         |page| {
             outputs.extend(
                 fresh
@@ -128,7 +127,7 @@ async fn load(
         keys = stats.keys,
         requests = stats.requests,
         etcd_walked = stats.walked,
-        readers,
+        readers = stats.readers,
         busy_readers = stats.busy_readers,
         read_s,
         total_s = started.elapsed().as_secs_f64(),
@@ -250,13 +249,7 @@ async fn watch(
             for ev in msg.events() {
                 let Some(kv) = ev.kv() else { continue };
                 let event = match ev.event_type() {
-                    EventType::Put => Event::Put {
-                        key: kv.key().to_vec(),
-                        value: kv.value().to_vec(),
-                        lease: kv.lease(),
-                        revision: kv.mod_revision(),
-                        observed_at_ms: now,
-                    },
+                    EventType::Put => rootrank_store::put_event(kv.clone(), now),
                     EventType::Delete => Event::Delete {
                         key: kv.key().to_vec(),
                         prev_lease: ev.prev_kv().map(|p| p.lease()),

@@ -19,7 +19,7 @@ mod retained;
 mod snapshot;
 
 pub use retained::{LazyClient, Retained, RetainedWriter, WriteError, Written};
-pub use snapshot::{snapshot, snapshot_pages, Plan, SnapshotStats, DEFAULT_READERS, PAGE};
+pub use snapshot::{put_event, snapshot_pages, Plan, SnapshotStats, DEFAULT_READERS, PAGE};
 
 use std::time::{Duration, Instant};
 

@@ -24,7 +24,7 @@
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use etcd_client::{Client, GetOptions};
+use etcd_client::{Client, GetOptions, KeyValue};
 use rootrank_core::Event;
 use tokio::sync::{mpsc, Notify};
 use tokio::task::JoinSet;
@@ -48,6 +48,8 @@ pub struct SnapshotStats {
     /// Index entries etcd walked to answer (the sum of its counts): the cost that grows with
     /// the square of the keys when ranges are not bounded.
     pub walked: u64,
+    /// Readers run (the number asked for, within 1..=64).
+    pub readers: u64,
     /// Readers that got a part to read.
     pub busy_readers: u64,
 }
@@ -113,26 +115,23 @@ pub async fn snapshot_pages(
         keys,
         requests: plan.requests,
         walked: plan.walked,
+        readers: readers as u64,
         busy_readers: plan.busy.iter().filter(|b| **b).count() as u64,
     })
 }
 
-/// Like [`snapshot_pages`], collecting every key-value as an event.
-pub async fn snapshot(
-    client: &Client,
-    prefix: &str,
-    observed_at_ms: i64,
-) -> Result<(Vec<Event>, i64), etcd_client::Error> {
-    let mut events = Vec::new();
-    let stats = snapshot_pages(
-        std::slice::from_ref(client),
-        prefix,
+/// A key-value etcd returned, as the index takes it: a put seen at `observed_at_ms`.
+pub fn put_event(kv: KeyValue, observed_at_ms: i64) -> Event {
+    let lease = kv.lease();
+    let revision = kv.mod_revision();
+    let (key, value) = kv.into_key_value();
+    Event::Put {
+        key,
+        value,
+        lease,
+        revision,
         observed_at_ms,
-        DEFAULT_READERS,
-        |page| events.extend(page),
-    )
-    .await?;
-    Ok((events, stats.revision))
+    }
 }
 
 /// etcd's current revision, from a one-key read (cheap: no range to walk).
@@ -189,21 +188,7 @@ async fn read_ranges(
         if kvs.is_empty() {
             continue;
         }
-        let events = kvs
-            .into_iter()
-            .map(|kv| {
-                let lease = kv.lease();
-                let revision = kv.mod_revision();
-                let (key, value) = kv.into_key_value();
-                Event::Put {
-                    key,
-                    value,
-                    lease,
-                    revision,
-                    observed_at_ms,
-                }
-            })
-            .collect();
+        let events = kvs.into_iter().map(|kv| put_event(kv, observed_at_ms)).collect();
         if tx.send(Ok(events)).await.is_err() {
             return; // the caller gave up
         }
