@@ -74,7 +74,16 @@ async fn a_watch_resumed_after_compaction_reloads_the_index() {
     }
     r.flush().unwrap();
     let mut c = Client::connect([other.clone()], None).await.unwrap();
-    let rev = c.get("/", None).await.unwrap().header().unwrap().revision();
+    // Compacted strictly past the outage's records: one more write, and the compaction at
+    // its revision. At the records' own last revision, a watch resumed exactly there (the
+    // coordinator may have seen every revision before it) would still be served.
+    let rev = c
+        .put("/outside-the-prefix/marker", "x", None)
+        .await
+        .unwrap()
+        .header()
+        .unwrap()
+        .revision();
     c.compact(
         rev,
         Some(rootrank_store::etcd_client::CompactionOptions::new().with_physical()),

@@ -99,7 +99,11 @@ pub async fn run(env: &Env, suite: &Suite, mode: &str) -> Value {
                         v["elapsed_s"] = json!(t.elapsed().as_secs_f64());
                         v
                     }
-                    Err(e) => json!({"error": format!("{e:#}")}),
+                    Err(e) => {
+                        // On stderr too: a failed `all --smoke` in CI shows only its output.
+                        eprintln!("rootrank-bench: {} FAILED: {e:#}", $name);
+                        json!({"error": format!("{e:#}")})
+                    }
                 };
                 eprintln!("rootrank-bench: {} done in {:.1} s", $name, t.elapsed().as_secs_f64());
                 sections.insert($name.to_string(), v);
