@@ -106,7 +106,7 @@ async fn load(
     // the raw key-values of a million records never sit in memory at once.
     let started = std::time::Instant::now();
     let stats = rootrank_store::snapshot_pages(
-        std::slice::from_ref(&client),
+        &client,
         &prefix,
         rootrank_store::unix_ms(),
         config.snapshot_readers,

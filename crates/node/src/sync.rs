@@ -146,7 +146,7 @@ async fn load(
     // One reader: a watchdog runs on every host, so its memory (pages in flight) matters more
     // than the second or so parallel readers would save; its ranges are bounded all the same.
     let readers = 1;
-    let stats = rootrank_store::snapshot_pages(std::slice::from_ref(&client), &prefix, 0, readers, |page| {
+    let stats = rootrank_store::snapshot_pages(&client, &prefix, 0, readers, |page| {
         for ev in page {
             let rootrank_core::Event::Put {
                 key,

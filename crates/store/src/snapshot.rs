@@ -55,22 +55,17 @@ pub struct SnapshotStats {
 }
 
 /// Reads everything under `prefix` at one revision with `readers` concurrent readers
-/// (spread over `clients`), handing each page to `page` as it arrives (in no particular
+/// (sharing `client`'s connection), handing each page to `page` as it arrives (in no particular
 /// order), so the caller can apply and drop it: at most two pages per reader are in memory (one
 /// waiting, one being read).
 pub async fn snapshot_pages(
-    clients: &[Client],
+    client: &Client,
     prefix: &str,
     observed_at_ms: i64,
     readers: usize,
     mut page: impl FnMut(Vec<Event>),
 ) -> Result<SnapshotStats, etcd_client::Error> {
     let readers = readers.clamp(1, 64);
-    let Some(client) = clients.first() else {
-        return Err(etcd_client::Error::InvalidArgs(
-            "no etcd client to read a snapshot with".into(),
-        ));
-    };
     let revision = current_revision(client, prefix).await?;
     let plan = Arc::new(Mutex::new(Plan::new(prefix.as_bytes(), readers, PAGE)));
     let progress = Arc::new(Notify::new());
@@ -78,7 +73,7 @@ pub async fn snapshot_pages(
     let mut tasks = JoinSet::new();
     for reader in 0..readers {
         tasks.spawn(read_ranges(
-            clients[reader % clients.len()].clone(),
+            client.clone(),
             plan.clone(),
             progress.clone(),
             reader,

@@ -91,7 +91,7 @@ async fn every_key_once_and_only_under_the_prefix_whatever_the_readers() {
     let want: BTreeMap<String, String> = kvs.into_iter().collect();
     for readers in [1, 3, 8] {
         let mut events = Vec::new();
-        let stats = rootrank_store::snapshot_pages(std::slice::from_ref(&client), PREFIX, 0, readers, |page| {
+        let stats = rootrank_store::snapshot_pages(&client, PREFIX, 0, readers, |page| {
             assert!(page.len() as i64 <= rootrank_store::PAGE);
             events.extend(page)
         })
@@ -146,7 +146,7 @@ async fn one_revision_while_writers_keep_writing() {
     });
     tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     let mut events = Vec::new();
-    let stats = rootrank_store::snapshot_pages(std::slice::from_ref(&client), PREFIX, 0, 4, |page| events.extend(page))
+    let stats = rootrank_store::snapshot_pages(&client, PREFIX, 0, 4, |page| events.extend(page))
         .await
         .unwrap();
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
@@ -185,7 +185,7 @@ async fn a_revision_compacted_mid_read_is_an_error_not_a_partial_snapshot() {
     let mut compactor = Some(client.clone());
     let result = tokio::time::timeout(
         std::time::Duration::from_secs(60),
-        rootrank_store::snapshot_pages(std::slice::from_ref(&client), PREFIX, 0, 4, |_page| {
+        rootrank_store::snapshot_pages(&client, PREFIX, 0, 4, |_page| {
             if let Some(mut c) = compactor.take() {
                 tokio::spawn(async move {
                     let put = c.put(format!("{PREFIX}late"), "x", None).await.unwrap();
