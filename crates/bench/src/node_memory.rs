@@ -40,7 +40,7 @@ const RANKS: u32 = 8;
 pub async fn run(env: &Env, cfg: &NodeMemoryCfg) -> anyhow::Result<Value> {
     let bin = crate::detection::node_watch_bin(env).map_err(|e| anyhow::anyhow!(e))?;
     let dir = env.subdir("node-memory")?;
-    let etcd = procs::start_etcd(&dir, &["--quota-backend-bytes".into(), (8u64 << 30).to_string()])?;
+    let etcd = procs::start_large_etcd(&dir)?;
     let endpoint = etcd.endpoint();
     let clients = state::clients(&endpoint, 8).await?;
 

@@ -60,9 +60,7 @@ const PREFIX: &str = crate::verdicts::PREFIX;
 
 pub async fn run(env: &Env, cfg: &ScaleCfg) -> anyhow::Result<Value> {
     let dir = env.subdir("scale")?;
-    // A million records is ~0.5 GB in etcd's backend with history: well over the 2 GiB default
-    // quota once compaction lags, so the quota is raised as a production cluster would.
-    let etcd = procs::start_etcd(&dir, &["--quota-backend-bytes".into(), (8u64 << 30).to_string()])?;
+    let etcd = procs::start_large_etcd(&dir)?;
     let endpoint = etcd.endpoint();
     let etcd_pid = procs::etcd_pid(&etcd)?;
     let clients = state::clients(&endpoint, 8).await?;
@@ -223,7 +221,7 @@ pub async fn run(env: &Env, cfg: &ScaleCfg) -> anyhow::Result<Value> {
             "groups": cfg.groups, "ranks_per_group": cfg.ranks, "live_leases": n_live, "lease_ttl_s": cfg.ttl_s,
             "keepalive_interval_ms": interval.as_millis() as u64, "keepalive_tasks": n_live, "keepalive_connections": clients.len(),
             "records": written, "rooms": rooms, "records_per_room": per_room,
-            "etcd_quota_backend_bytes": 8u64 << 30,
+            "etcd_quota_backend_bytes": procs::LARGE_QUOTA_BYTES,
         },
         "populate": {
             "settle_s": settle_s, "live_keys_s": live_s, "live_keys_written": live_written,

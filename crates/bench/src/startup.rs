@@ -42,7 +42,7 @@ const PREFIX: &str = crate::verdicts::PREFIX;
 
 pub async fn run(env: &Env, cfg: &StartupCfg) -> anyhow::Result<Value> {
     let dir = env.subdir("startup")?;
-    let etcd = procs::start_etcd(&dir, &["--quota-backend-bytes".into(), (8u64 << 30).to_string()])?;
+    let etcd = procs::start_large_etcd(&dir)?;
     let endpoint = etcd.endpoint();
     let etcd_pid = procs::etcd_pid(&etcd)?;
     let clients = state::clients(&endpoint, 8).await?;
