@@ -68,7 +68,10 @@ pub fn start_etcd_with(dir: &Path, opts: &EtcdOptions) -> anyhow::Result<Embedde
             Err(e) => last = Some(e),
         }
     }
-    Err(anyhow!("etcd would not start: {last:?}"))
+    Err(match last {
+        Some(e) => anyhow!("etcd would not start: {e}"),
+        None => anyhow!("etcd would not start"),
+    })
 }
 
 pub fn etcd_pid(etcd: &EmbeddedEtcd) -> anyhow::Result<u32> {

@@ -12,8 +12,13 @@ pub enum EmbeddedError {
     NotFound,
     #[error("could not start etcd: {0}")]
     Spawn(#[source] std::io::Error),
-    #[error("etcd exited during start-up ({status}); its log is {log}")]
-    Exited { status: String, log: String },
+    #[error("etcd exited during start-up ({status}): {why}; its log is {log}")]
+    Exited {
+        status: String,
+        /// The line of etcd's log that says why (see [`why_etcd_exited`]).
+        why: String,
+        log: String,
+    },
     #[error("etcd did not answer on {url} within {secs} s; its log is {log}")]
     Timeout { url: String, secs: u64, log: String },
     #[error("data directory {dir}: {source}")]
@@ -154,6 +159,7 @@ impl EmbeddedEtcd {
             if let Ok(Some(status)) = child.try_wait() {
                 return Err(EmbeddedError::Exited {
                     status: status.to_string(),
+                    why: why_etcd_exited(&std::fs::read_to_string(&log_path).unwrap_or_default()),
                     log: log_path.display().to_string(),
                 });
             }
@@ -216,6 +222,33 @@ impl Drop for EmbeddedEtcd {
     }
 }
 
+/// The line of an exited etcd's log that says why, so the error says it too: the log lives
+/// in a data directory that a test or a bench removes, and a full disk ("create wal error: no
+/// space left on device") or a bad flag must not read as a bare "exit status: 2".
+/// etcd 3.4 logs with capnslog (`… C | etcdserver: …` before its `panic:`) or zap (JSON with
+/// `"level":"fatal"`); flag errors go to stderr as plain text before the usage.
+pub fn why_etcd_exited(log: &str) -> String {
+    const MARKERS: [&str; 7] = [
+        " C | ",
+        " E | ",
+        "\"level\":\"fatal\"",
+        "\"level\":\"panic\"",
+        "\"level\":\"error\"",
+        "panic: ",
+        "flag provided but not defined",
+    ];
+    let lines = || log.lines().map(str::trim_end).filter(|l| !l.is_empty());
+    let line = lines()
+        .find(|l| MARKERS.iter().any(|m| l.contains(m)))
+        .or_else(|| lines().find(|l| l.to_ascii_lowercase().contains("error")))
+        .or_else(|| lines().rfind(|l| !l.starts_with(char::is_whitespace)));
+    match line {
+        Some(l) if l.chars().count() > 300 => format!("{}…", l.chars().take(300).collect::<String>()),
+        Some(l) => l.to_string(),
+        None => "its log is empty".to_string(),
+    }
+}
+
 /// etcd answers `/health` with `{"health":"true"}` once it has a leader.
 pub fn health_ok(addr: &str) -> bool {
     use std::io::{Read, Write};
@@ -253,4 +286,43 @@ pub fn which(name: &str) -> Option<PathBuf> {
             .map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
             .unwrap_or(false)
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::why_etcd_exited;
+
+    #[test]
+    fn the_critical_line_of_a_capnslog_panic_is_the_reason() {
+        // etcd 3.4 from Debian on a full disk, as logged (stack trace shortened).
+        let log = "[WARNING] Deprecated '--logger=capnslog' flag is set; use '--logger=zap' flag instead\n\
+                   2026-12-03 14:33:49.300935 C | etcdserver: create wal error: no space left on device\n\
+                   panic: create wal error: no space left on device\n\n\
+                   goroutine 1 [running]:\n\
+                   \tgithub.com/coreos/pkg/capnslog/pkg_logger.go:83 +0xbb\n\
+                   main.main()\n";
+        assert_eq!(
+            why_etcd_exited(log),
+            "2026-12-03 14:33:49.300935 C | etcdserver: create wal error: no space left on device"
+        );
+    }
+
+    #[test]
+    fn a_zap_fatal_line_and_a_bad_flag_are_the_reason() {
+        let zap = "{\"level\":\"warn\",\"msg\":\"slow\"}\n{\"level\":\"fatal\",\"msg\":\"listener failed\",\"error\":\"address already in use\"}\n";
+        assert!(why_etcd_exited(zap).contains("address already in use"));
+        let flag = "flag provided but not defined: -no-such-flag\nUsage:\n\n  etcd [flags]\n";
+        assert_eq!(why_etcd_exited(flag), "flag provided but not defined: -no-such-flag");
+    }
+
+    #[test]
+    fn without_a_marker_the_last_unindented_line_and_an_empty_log_says_so() {
+        assert_eq!(
+            why_etcd_exited("starting\nsomething odd happened\n  detail\n"),
+            "something odd happened"
+        );
+        assert_eq!(why_etcd_exited(""), "its log is empty");
+        let long = "x".repeat(1000);
+        assert_eq!(why_etcd_exited(&long).chars().count(), 301);
+    }
 }

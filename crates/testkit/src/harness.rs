@@ -37,7 +37,10 @@ impl Etcd {
                 Err(e) => last = Some(e),
             }
         }
-        Err(anyhow!("etcd would not start: {last:?}"))
+        Err(match last {
+            Some(e) => anyhow!("etcd would not start: {e}"),
+            None => anyhow!("etcd would not start"),
+        })
     }
     pub fn endpoint(&self) -> String {
         self.inner.endpoint()
