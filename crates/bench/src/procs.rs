@@ -60,18 +60,14 @@ pub fn start_large_etcd(dir: &Path) -> anyhow::Result<EmbeddedEtcd> {
 
 /// [`start_etcd`] with any options (e.g. etcd's production timing, `fast: false`).
 pub fn start_etcd_with(dir: &Path, opts: &EtcdOptions) -> anyhow::Result<EmbeddedEtcd> {
-    let mut last = None;
-    for attempt in 0..5 {
-        let d = dir.join(format!("etcd{attempt}"));
-        match EmbeddedEtcd::start(&d, opts) {
-            Ok(e) => return Ok(e),
-            Err(e) => last = Some(e),
+    let mut started = EmbeddedEtcd::start(&dir.join("etcd0"), opts);
+    for attempt in 1..5 {
+        if started.is_ok() {
+            break;
         }
+        started = EmbeddedEtcd::start(&dir.join(format!("etcd{attempt}")), opts);
     }
-    Err(match last {
-        Some(e) => anyhow!("etcd would not start: {e}"),
-        None => anyhow!("etcd would not start"),
-    })
+    started.map_err(|e| anyhow!("etcd would not start: {e}"))
 }
 
 pub fn etcd_pid(etcd: &EmbeddedEtcd) -> anyhow::Result<u32> {

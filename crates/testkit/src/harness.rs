@@ -25,22 +25,20 @@ impl Etcd {
     /// With extra etcd flags (e.g. `--max-txn-ops 16`).
     pub fn start_with(extra_args: &[&str]) -> anyhow::Result<Etcd> {
         let dir = tempfile::tempdir()?;
-        let mut last = None;
         let opts = EtcdOptions {
             extra_args: extra_args.iter().map(|a| a.to_string()).collect(),
             ..EtcdOptions::default()
         };
         // Free-port races with parallel tests are possible: try a few times.
-        for _ in 0..5 {
-            match EmbeddedEtcd::start(dir.path(), &opts) {
-                Ok(inner) => return Ok(Etcd { inner, _dir: dir }),
-                Err(e) => last = Some(e),
+        let mut started = EmbeddedEtcd::start(dir.path(), &opts);
+        for _ in 1..5 {
+            if started.is_ok() {
+                break;
             }
+            started = EmbeddedEtcd::start(dir.path(), &opts);
         }
-        Err(match last {
-            Some(e) => anyhow!("etcd would not start: {e}"),
-            None => anyhow!("etcd would not start"),
-        })
+        let inner = started.map_err(|e| anyhow!("etcd would not start: {e}"))?;
+        Ok(Etcd { inner, _dir: dir })
     }
     pub fn endpoint(&self) -> String {
         self.inner.endpoint()
