@@ -103,7 +103,10 @@ pub(crate) fn node_watch_bin(env: &Env) -> Result<PathBuf, String> {
         .or_else(|| env.exe.parent().map(|d| d.join("rootrank")))
         .ok_or("no rootrank binary path")?;
     if !bin.is_file() {
-        return Err(format!("{} not built (make bench builds it)", bin.display()));
+        return Err(format!(
+            "{} not built (make bench and make test build it: cargo build --bin rootrank)",
+            bin.display()
+        ));
     }
     let ok = std::process::Command::new(&bin)
         .args(["node-watch", "--help"])

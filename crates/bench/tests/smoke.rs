@@ -2,7 +2,9 @@
 //! asserted anywhere; this only proves every part runs end to end and reports its figures.
 //!
 //! The binary under test is `CARGO_BIN_EXE_rootrank-bench`, which cargo builds before this
-//! test; coordinators and ranks are that same binary, so nothing else must be built first.
+//! test; coordinators and ranks are that same binary. The node-memory part runs `rootrank
+//! node-watch` from the same target directory, which another package builds: `make test`
+//! builds it first, and `cargo test -p rootrank-bench` alone needs `cargo build --bin rootrank`.
 
 use std::process::Command;
 
