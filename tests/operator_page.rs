@@ -169,6 +169,9 @@ async fn four_thousand_ranks_render_without_freezing_the_page() {
                 agent: None,
                 nixl_agent: None,
                 gpu: None,
+                endpoints: Vec::new(),
+                pid_ns: None,
+                start_ticks: None,
             };
             ops.push(TxnOp::put(
                 keys.live(&group, r),

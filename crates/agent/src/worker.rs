@@ -87,6 +87,9 @@ fn live_record(config: &AgentConfig, started_at: &str) -> Result<Vec<u8>, serde_
         agent: Some(AGENT_VERSION.to_string()),
         nixl_agent: config.nixl_agent.clone(),
         gpu: config.gpu.clone(),
+        endpoints: Vec::new(),
+        pid_ns: None,
+        start_ticks: None,
     };
     serde_json::to_vec(&rec)
 }

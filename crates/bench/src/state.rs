@@ -72,6 +72,9 @@ pub fn live_value(group: &GroupId, rank: u32, size: u32, ttl_ms: u64) -> anyhow:
         agent: Some(rootrank_agent::AGENT_VERSION.into()),
         nixl_agent: None,
         gpu: None,
+        endpoints: Vec::new(),
+        pid_ns: None,
+        start_ticks: None,
     };
     Ok(serde_json::to_vec(&rec)?)
 }

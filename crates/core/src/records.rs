@@ -113,6 +113,17 @@ pub struct RankLive {
     pub nixl_agent: Option<String>,
     #[serde(default)]
     pub gpu: Option<String>,
+    /// v3: addresses by which peers know this rank or its instance (a prefill's bootstrap
+    /// `host:port` as decode reaches it), so a peer named only by endpoint is found (rule 5).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub endpoints: Vec<String>,
+    /// v3: the inode of the rank's `/proc/self/ns/pid`: `pid` is a pid in that namespace.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pid_ns: Option<u64>,
+    /// v3: field 22 of the rank's `/proc/self/stat` (start time in clock ticks after boot),
+    /// so whoever acts on `pid` can check it is still the same process.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start_ticks: Option<u64>,
 }
 
 /// `{p}/groups/{group}/rooms/{room}/ranks/{rank}`, on a retention lease, written once.
