@@ -23,7 +23,7 @@ pub struct ServeArgs {
     #[arg(long, env = "ROOTRANK_DATA_DIR")]
     pub data_dir: Option<PathBuf>,
     /// How long before a room's first record a rank death still counts (SPEC rule 2).
-    #[arg(long, default_value_t = 60_000)]
+    #[arg(long, default_value_t = 360_000)]
     pub death_window_ms: i64,
     /// How long the certificates the coordinator writes are kept.
     #[arg(long, default_value_t = 600)]

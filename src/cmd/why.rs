@@ -97,6 +97,17 @@ pub fn render(v: &Value) -> String {
         }
         out.push('\n');
     }
+    // Rule 7: the ranks that died only because a peer vanished, so nobody restarts them first.
+    if let Some(victims) = v["victims"].as_array().filter(|a| !a.is_empty()) {
+        let who: Vec<String> = victims
+            .iter()
+            .map(|x| format!("{} rank {}", s(&x["group"]), s(&x["rank"])))
+            .collect();
+        out.push_str(&format!(
+            "  victims: {} (died because a peer vanished)\n",
+            who.join(", ")
+        ));
+    }
     if let Some(tail) = root
         .and_then(|c| c.get("log_tail"))
         .and_then(Value::as_array)

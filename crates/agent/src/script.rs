@@ -93,7 +93,8 @@ fn parse_fail(room: &str, origin: &str) -> Result<(u64, Origin), String> {
     let origin = match origin {
         "local" => Origin::Local,
         "propagated" => Origin::Propagated,
-        other => return Err(format!("origin {other:?}: local or propagated")),
+        "peer_reported" => Origin::PeerReported,
+        other => return Err(format!("origin {other:?}: local, propagated or peer_reported")),
     };
     Ok((room, origin))
 }

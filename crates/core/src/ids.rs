@@ -168,6 +168,10 @@ impl Reason {
         &self.0
     }
     /// A clean exit: never a root cause.
+    /// A victim's death (SPEC rule 7): never chosen while another candidate could show up.
+    pub fn is_peer_lost(&self) -> bool {
+        &*self.0 == reasons::PEER_LOST
+    }
     pub fn is_shutdown(&self) -> bool {
         &*self.0 == "shutdown"
     }
@@ -208,6 +212,10 @@ pub mod reasons {
     pub const ABORTED: &str = "aborted";
     pub const SHUTDOWN: &str = "shutdown";
     pub const OTHER: &str = "other";
+    /// v3: the rank died because a peer of its collective vanished (a victim, rule 7).
+    pub const PEER_LOST: &str = "peer_lost";
+    /// v3: the rank is alive but its loop stopped advancing.
+    pub const STALLED: &str = "stalled";
 }
 
 /// A rank's incarnation: the etcd lease id of its live key. A restarted rank is a new one.

@@ -27,7 +27,9 @@ use crate::time;
 #[derive(Clone, Debug)]
 pub struct IndexConfig {
     pub prefix: String,
-    /// How long before a room's first record a death still counts (default 60 s).
+    /// How long before a room's first record a death still counts (v3 default 360 s: longer
+    /// than SGLang's 300 s timeouts, and than its 60 s crash-dump wait plus decode's
+    /// heartbeat, after which a room's first record may arrive).
     pub death_window_ms: i64,
     /// Added to the slowest rank's lease TTL while a death could still show up (default 1 s).
     pub pending_grace_ms: i64,
@@ -41,7 +43,7 @@ impl Default for IndexConfig {
     fn default() -> Self {
         IndexConfig {
             prefix: "/rootrank/v1".to_string(),
-            death_window_ms: 60_000,
+            death_window_ms: 360_000,
             pending_grace_ms: 1_000,
             default_lease_ttl_ms: 5_000,
             root_cause_log: 1_024,
@@ -186,6 +188,9 @@ pub(crate) struct Death {
     pub(crate) host: Option<String>,
     pub(crate) pid: Option<u32>,
     pub(crate) has_certificate: bool,
+    /// A `peer_lost` death first seen as such (rule 7). One that refines a death already seen
+    /// (a vanished live key) is no victim: a verdict may already have named it (rule 2).
+    pub(crate) victim: bool,
 }
 
 #[derive(Debug)]
@@ -260,6 +265,10 @@ pub struct Index {
     /// NIXL agent name -> the rank that registered it, so a record naming its peer by agent
     /// name (all a prefill rank knows of its decode peer) leads to that rank (rule 5).
     pub(crate) agents: BTreeMap<String, (GroupId, Rank)>,
+    /// Endpoint a rank published in its live record (a prefill's bootstrap `host:port`) ->
+    /// the ranks that published it, so a record naming its peer only by the address SGLang's
+    /// decode errors carry leads to that peer's group (rules 5 and 7).
+    pub(crate) endpoints: BTreeMap<String, BTreeSet<(GroupId, Rank)>>,
     record_count: usize,
     interned_reasons: HashSet<Reason>,
     /// While a snapshot loads: the latest time its events were observed. Rooms are decided
@@ -279,6 +288,7 @@ impl Index {
             rooms: HashMap::new(),
             local_counts: BTreeMap::new(),
             agents: BTreeMap::new(),
+            endpoints: BTreeMap::new(),
             unresolved: HashMap::new(),
             root_causes: BTreeSet::new(),
             record_count: 0,
@@ -353,6 +363,9 @@ impl Index {
         for room in waiting {
             self.recheck_room(room, revision, now, &mut discarded);
             discarded.clear(); // a reload's verdicts are not news (see the coordinator's load)
+            if self.rooms.get(&room).is_some_and(|e| !e.resolved) {
+                self.watch_peer_groups(room);
+            }
         }
     }
 
@@ -504,6 +517,13 @@ impl Index {
             let ttl = i64::try_from(ttl).unwrap_or(i64::MAX);
             info.max_lease_ttl_ms = Some(info.max_lease_ttl_ms.map_or(ttl, |m| m.max(ttl)));
         }
+        // Indexed on every put: a rank may publish its endpoints after it registered.
+        for endpoint in &rec.endpoints {
+            self.endpoints
+                .entry(endpoint.clone())
+                .or_default()
+                .insert((group.clone(), rank));
+        }
         let state = self.ranks.entry((group.clone(), rank)).or_default();
         let replaced = match &state.live {
             Some(cur) if cur.incarnation == inc => {
@@ -540,6 +560,16 @@ impl Index {
             let gone = state.history.remove(0);
             if let Some(agent) = &gone.record.nixl_agent {
                 self.agents.remove(agent);
+            }
+            // Another incarnation of this rank may still publish the same endpoint.
+            let still: BTreeSet<&String> = state.history.iter().flat_map(|h| &h.record.endpoints).collect();
+            for endpoint in gone.record.endpoints.iter().filter(|e| !still.contains(e)) {
+                if let Some(set) = self.endpoints.get_mut(endpoint) {
+                    set.remove(&(group.clone(), rank));
+                    if set.is_empty() {
+                        self.endpoints.remove(endpoint);
+                    }
+                }
             }
         }
         state.live = Some(entry);
@@ -580,6 +610,7 @@ impl Index {
             host: live.record.host.clone(),
             pid: live.record.pid,
             has_certificate: false,
+            victim: false,
         };
         self.deaths.insert((group.clone(), rank, inc), death);
         out.push(Output::LiveKeyVanished {
@@ -625,6 +656,7 @@ impl Index {
         };
         let reason = self.intern_reason(reason);
         let is_shutdown = reason.is_shutdown();
+        let victim = reason.is_peer_lost() && !seen_dead_first;
         match self.deaths.get_mut(&key) {
             Some(d) if d.evidence > evidence => {
                 // A less specific certificate (the coordinator's) after a specific one: keep
@@ -656,6 +688,8 @@ impl Index {
                 d.host = rec.host.or(d.host.take());
                 d.pid = rec.pid.or(d.pid);
                 d.has_certificate = true;
+                // A death becomes no victim later (a verdict may have named it: rule 2).
+                d.victim = d.victim && victim;
             }
             None => {
                 self.deaths.insert(
@@ -672,6 +706,7 @@ impl Index {
                         host: rec.host,
                         pid: rec.pid,
                         has_certificate: true,
+                        victim,
                     },
                 );
             }
@@ -709,7 +744,7 @@ impl Index {
             rank: rec.rank,
             origin: rec.origin,
             reason,
-            detail: (rec.origin == Origin::Local).then(|| rec.detail.into_boxed_str()),
+            detail: (rec.origin != Origin::Propagated).then(|| rec.detail.into_boxed_str()),
             at_ms,
             revision,
             incarnation: rec.incarnation,
@@ -748,6 +783,7 @@ impl Index {
         if !entry.resolved {
             self.unresolved.entry(group).or_default().insert(room);
             if self.loading_now_ms.is_none() {
+                self.watch_peer_groups(room);
                 self.recheck_room(room, revision, now, out);
             }
         }
@@ -772,11 +808,12 @@ impl Index {
         let Some(entry) = self.rooms.get(&room) else { return };
         let first_observed = entry.first_observed_ms;
         let first_revision = entry.records.first().map_or(revision, |r| r.revision);
-        let groups: BTreeSet<GroupId> = entry.records.iter().map(|r| r.group.clone()).collect();
+        let mut groups: BTreeSet<GroupId> = entry.records.iter().map(|r| r.group.clone()).collect();
+        groups.extend(self.reported_peer_groups(room));
         let resolved = match decision.summary(self, room) {
             Some(c) => c,
             None => {
-                if matches!(decision, crate::verdict::Decision::Unknown) {
+                if matches!(decision.last(), crate::verdict::Decision::Unknown) {
                     // Past the pending window only a local record can still resolve it, and
                     // that path re-checks on its own.
                     for g in &groups {
@@ -815,6 +852,14 @@ impl Index {
         }
     }
 
+    /// A room whose records only report a peer's failure (rule 7) resolves when a death lands
+    /// in the peer's group: wait on that group too.
+    fn watch_peer_groups(&mut self, room: RoomId) {
+        for g in self.reported_peer_groups(room) {
+            self.unresolved.entry(g).or_default().insert(room);
+        }
+    }
+
     /// A resolved room's place in the root-cause log: when it had both its first record and
     /// its culprit (a function of etcd state, unlike when a coordinator happened to see it).
     pub(crate) fn log_revision(&self, room: RoomId) -> i64 {
@@ -829,7 +874,7 @@ impl Index {
 
     /// The revision of a decision's culprit (its record or its death).
     fn decision_revision(&self, decision: &crate::verdict::Decision, room: RoomId) -> i64 {
-        match decision {
+        match decision.last() {
             crate::verdict::Decision::Record { idx } => self
                 .rooms
                 .get(&room)

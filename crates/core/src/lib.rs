@@ -29,6 +29,6 @@ pub use keys::{KeyKind, Keys};
 pub use records::{DownSource, ExitInfo, Origin, Peer, RankDown, RankLive, RecordError, RoomFailure};
 pub use verdict::{
     Action, CompactCause, CompactCulprit, CompactVerdict, Culprit, CulpritSource, Evidence, EvidenceKind, PeerRef,
-    Status, Verdict, VerdictQuery,
+    Status, Verdict, VerdictQuery, Victim,
 };
 pub use views::{GroupSummary, GroupView, RankStateKind, RankView};

@@ -28,12 +28,16 @@ pub enum RecordError {
 
 /// Where a room failure was seen.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
+#[serde(rename_all = "snake_case")]
 pub enum Origin {
     /// This rank saw the failure itself: a root-cause candidate.
     Local,
     /// This rank only learned of it through the group's MIN all-reduce: never a root cause.
     Propagated,
+    /// v3: this rank's transfer peer told it that the peer failed the room (SGLang's decode
+    /// side learns a prefill failure from the prefill's status message): never a root cause
+    /// in its own group; the verdict follows `peer` (SPEC rule 7).
+    PeerReported,
 }
 
 impl Origin {
@@ -41,6 +45,7 @@ impl Origin {
         match self {
             Origin::Local => "local",
             Origin::Propagated => "propagated",
+            Origin::PeerReported => "peer_reported",
         }
     }
 }

@@ -15,6 +15,11 @@
 //! 5. `cause` follows the culprit's `peer` (by group and rank, or by NIXL agent name) to that
 //!    rank's own candidate for the room, up to 4 hops, never twice through one rank.
 //! 6. `advice` is chosen by the root reason (the cause's, if any) and `repeat`.
+//! 7. Victims (v3): a `peer_lost` death (the rank died because a peer of its collective
+//!    vanished) is never the culprit while another candidate exists or could still show up
+//!    (the pending window after the victim's death); only then is the first victim the
+//!    culprit. A `peer_reported` record is never a candidate in its own group: with no
+//!    candidate there, the verdict is the verdict of the peer's group for the room.
 
 use std::collections::BTreeSet;
 
@@ -152,9 +157,19 @@ pub struct Verdict {
     /// What to do, for an operator (rule 6).
     pub advice: Option<String>,
     pub evidence: Vec<Evidence>,
+    /// Ranks of the involved groups that died as victims around the room (rule 7).
+    pub victims: Vec<Victim>,
     pub groups: Vec<GroupId>,
     pub revision: i64,
     pub explain: String,
+}
+
+/// A rank that died because a peer of its collective vanished (rule 7).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Victim {
+    pub group: GroupId,
+    pub rank: Rank,
+    pub reason: Reason,
 }
 
 /// The answer for schedulers in a hot path (`?view=compact`, ~200 bytes).
@@ -210,10 +225,25 @@ impl From<&Verdict> for CompactVerdict {
 /// Which rule fired, before it is dressed up as JSON.
 #[derive(Clone, Debug, PartialEq)]
 pub(crate) enum Decision {
-    Record { idx: usize },
-    Death { key: (GroupId, Rank, Incarnation) },
-    Pending { remaining_ms: i64 },
+    Record {
+        idx: usize,
+    },
+    Death {
+        key: (GroupId, Rank, Incarnation),
+    },
+    /// A victim died and the rank it lost may still show up (rule 7).
+    VictimPending {
+        remaining_ms: i64,
+    },
+    Pending {
+        remaining_ms: i64,
+    },
     Unknown,
+    /// The room's records only report a peer's failure: the peer group's decision (rule 7).
+    Peer {
+        group: GroupId,
+        inner: Box<Decision>,
+    },
 }
 
 /// The facts a decision is made from, shared by the rule check and the JSON.
@@ -315,21 +345,38 @@ impl Index {
     pub(crate) fn decide(&self, room: RoomId, group: Option<&GroupId>, asked_at_ms: i64, now_ms: i64) -> Decision {
         let scope = self.scope(room, group, asked_at_ms);
         let deaths = self.counted_deaths(&scope);
-        self.decide_in(&scope, &deaths, now_ms)
+        self.decide_in(room, &scope, &deaths, asked_at_ms, now_ms, PEER_HOPS)
     }
 
     /// The rules, given the scope and the deaths that count for it (computed once: the
-    /// verdict lists the same deaths as evidence).
+    /// verdict lists the same deaths as evidence). `hops` bounds how far rule 7 follows
+    /// `peer_reported` records from group to group.
     fn decide_in(
         &self,
+        room: RoomId,
         scope: &Scope<'_>,
         deaths: &[(&(GroupId, Rank, Incarnation), &Death)],
+        asked_at_ms: i64,
         now_ms: i64,
+        hops: usize,
     ) -> Decision {
-        // Records and deaths are each sorted by revision: the earlier first one is the culprit.
-        let record = scope.records.iter().find(|(_, r)| r.origin == Origin::Local);
-        if let Some(d) = earliest(record.map(|(i, r)| (*i, *r)), deaths.first().map(|(k, d)| (*k, *d))) {
+        if let Some(d) = decide_candidates(scope, deaths, now_ms) {
             return d;
+        }
+        if hops > 0 {
+            if let Some(group) = self.reported_peer(room, scope) {
+                let peer_scope = self.scope(room, Some(&group), asked_at_ms);
+                let peer_deaths = self.counted_deaths(&peer_scope);
+                let inner = self.decide_in(room, &peer_scope, &peer_deaths, asked_at_ms, now_ms, hops - 1);
+                return Decision::Peer {
+                    group,
+                    inner: Box::new(inner),
+                };
+            }
+            if scope.records.iter().any(|(_, r)| r.origin == Origin::PeerReported) {
+                // The peer is not known to rootrank: no rank of ours failed the room.
+                return Decision::Unknown;
+            }
         }
         let until = scope.t0_ms + scope.pending_window_ms;
         if now_ms < until {
@@ -338,6 +385,57 @@ impl Index {
             }
         } else {
             Decision::Unknown
+        }
+    }
+
+    /// The group a room's `peer_reported` records point at (rule 7), outside the scope's own
+    /// groups: the first such record whose peer is known.
+    fn reported_peer(&self, room: RoomId, scope: &Scope<'_>) -> Option<GroupId> {
+        scope
+            .records
+            .iter()
+            .filter(|(_, r)| r.origin == Origin::PeerReported)
+            .filter_map(|(_, r)| self.peer_group(room, r.peer.as_deref()?))
+            .find(|g| !scope.groups.contains(g))
+    }
+
+    /// Every group the room's `peer_reported` records point at (for re-checking the room
+    /// when a death lands there).
+    pub(crate) fn reported_peer_groups(&self, room: RoomId) -> BTreeSet<GroupId> {
+        let Some(entry) = self.rooms.get(&room) else {
+            return BTreeSet::new();
+        };
+        entry
+            .records
+            .iter()
+            .filter(|r| r.origin == Origin::PeerReported)
+            .filter_map(|r| self.peer_group(room, r.peer.as_deref()?))
+            .filter(|g| !entry.records.iter().any(|r| &r.group == g))
+            .collect()
+    }
+
+    /// The group a record's peer belongs to: as named, else through its NIXL agent name, else
+    /// through an endpoint a rank published. An endpoint several groups publish (the prefill
+    /// instances of one bootstrap server under DP) picks the one group with records for the
+    /// room; when that does not single one out, the peer is not known.
+    fn peer_group(&self, room: RoomId, p: &Peer) -> Option<GroupId> {
+        if let PeerRef { group: Some(g), .. } = self.peer_ref(p) {
+            return Some(g);
+        }
+        let ranks = self.endpoints.get(p.endpoint.as_deref()?)?;
+        let groups: BTreeSet<&GroupId> = ranks
+            .iter()
+            .filter(|(_, r)| p.rank.is_none_or(|want| *r == want))
+            .map(|(g, _)| g)
+            .collect();
+        if groups.len() == 1 {
+            return groups.into_iter().next().cloned();
+        }
+        let records = &self.rooms.get(&room)?.records;
+        let mut with_records = groups.into_iter().filter(|g| records.iter().any(|r| &r.group == *g));
+        match (with_records.next(), with_records.next()) {
+            (Some(g), None) => Some(g.clone()),
+            _ => None,
         }
     }
 
@@ -375,34 +473,27 @@ impl Index {
     pub fn verdict(&self, q: &VerdictQuery) -> Verdict {
         let scope = self.scope(q.room, q.group.as_ref(), q.asked_at_ms);
         let deaths = self.counted_deaths(&scope);
-        let decision = self.decide_in(&scope, &deaths, q.now_ms);
-        let mut evidence: Vec<Evidence> = scope
-            .records
-            .iter()
-            .map(|(_, r)| Evidence {
-                group: r.group.clone(),
-                rank: r.rank,
-                kind: EvidenceKind::RoomRecord,
-                origin: Some(r.origin),
-                reason: r.reason.clone(),
-                at: time::format_ms(r.at_ms),
-                revision: r.revision,
-            })
-            .collect();
-        evidence.extend(deaths.iter().map(|((g, rank, _), d)| Evidence {
-            group: g.clone(),
-            rank: *rank,
-            kind: death_evidence(d),
-            origin: None,
-            reason: d.reason.clone(),
-            at: time::format_ms(d.at_ms),
-            revision: d.revision,
-        }));
+        let decision = self.decide_in(q.room, &scope, &deaths, q.asked_at_ms, q.now_ms, PEER_HOPS);
+        let mut evidence = Vec::new();
+        let mut victims = Vec::new();
+        let mut groups: BTreeSet<GroupId> = scope.groups.clone();
+        self.gather(&scope, &deaths, &mut evidence, &mut victims);
+        // Rule 7: the peer groups the answer came from are shown as evidence too.
+        let mut d = &decision;
+        while let Decision::Peer { group, inner } = d {
+            let peer_scope = self.scope(q.room, Some(group), q.asked_at_ms);
+            let peer_deaths = self.counted_deaths(&peer_scope);
+            self.gather(&peer_scope, &peer_deaths, &mut evidence, &mut victims);
+            groups.insert(group.clone());
+            d = inner;
+        }
         evidence.sort_by_key(|e| e.revision);
+        evidence.dedup();
+        victims.dedup();
         let culprit = decision.culprit(self, q.room);
         let cause = culprit.as_ref().and_then(|c| self.cause(q.room, &scope, c));
         let (status, action) = decision.status_action();
-        let explain = explain(&decision, culprit.as_ref(), &scope, q.room);
+        let explain = explain(&decision, culprit.as_ref(), &scope, &victims, q.room);
         let advice = culprit.as_ref().map(|c| advice(c, cause.as_ref()));
         Verdict {
             room: q.room,
@@ -412,11 +503,80 @@ impl Index {
             cause,
             advice,
             evidence,
-            groups: scope.groups.into_iter().collect(),
+            victims,
+            groups: groups.into_iter().collect(),
             revision: self.revision,
             explain,
         }
     }
+
+    /// A scope's records and counted deaths as evidence, and its victims (rule 7).
+    fn gather(
+        &self,
+        scope: &Scope<'_>,
+        deaths: &[(&(GroupId, Rank, Incarnation), &Death)],
+        evidence: &mut Vec<Evidence>,
+        victims: &mut Vec<Victim>,
+    ) {
+        evidence.extend(scope.records.iter().map(|(_, r)| Evidence {
+            group: r.group.clone(),
+            rank: r.rank,
+            kind: EvidenceKind::RoomRecord,
+            origin: Some(r.origin),
+            reason: r.reason.clone(),
+            at: time::format_ms(r.at_ms),
+            revision: r.revision,
+        }));
+        evidence.extend(deaths.iter().map(|((g, rank, _), d)| Evidence {
+            group: g.clone(),
+            rank: *rank,
+            kind: death_evidence(d),
+            origin: None,
+            reason: d.reason.clone(),
+            at: time::format_ms(d.at_ms),
+            revision: d.revision,
+        }));
+        victims.extend(deaths.iter().filter(|(_, d)| d.victim).map(|((g, rank, _), d)| Victim {
+            group: g.clone(),
+            rank: *rank,
+            reason: d.reason.clone(),
+        }));
+    }
+}
+
+/// How many groups rule 7 follows `peer_reported` records through (decode -> prefill is one).
+const PEER_HOPS: usize = 4;
+
+/// Rules 1 and 7 over the candidates of one scope: the first candidate by revision that is
+/// not a victim; else, once nothing else can show up, the first victim.
+fn decide_candidates(
+    scope: &Scope<'_>,
+    deaths: &[(&(GroupId, Rank, Incarnation), &Death)],
+    now_ms: i64,
+) -> Option<Decision> {
+    let victim = deaths.iter().find(|(_, d)| d.victim);
+    // Against a victim, a candidate counts if it came before it, or showed up within the
+    // window in which the rank it lost could still show up (after that the victim is the
+    // answer, and stays it: rule 2).
+    let until = victim.map(|(_, v)| (v.revision, v.at_ms.saturating_add(scope.pending_window_ms)));
+    let counts = |revision: i64, at_ms: i64| until.is_none_or(|(vr, until)| revision < vr || at_ms <= until);
+    let record = scope
+        .records
+        .iter()
+        .find(|(_, r)| r.origin == Origin::Local && counts(r.revision, r.at_ms));
+    let death = deaths.iter().find(|(_, d)| !d.victim && counts(d.revision, d.at_ms));
+    if let Some(d) = earliest(record.map(|(i, r)| (*i, *r)), death.map(|(k, d)| (*k, *d))) {
+        return Some(d);
+    }
+    let (key, _) = victim?;
+    let (_, until) = until?;
+    Some(if now_ms < until {
+        Decision::VictimPending {
+            remaining_ms: until - now_ms,
+        }
+    } else {
+        Decision::Death { key: (*key).clone() }
+    })
 }
 
 /// Rule 1 between a first record and a first death: the lower revision; a tie (one etcd
@@ -520,14 +680,23 @@ impl Decision {
         match self {
             Decision::Record { .. } => (Status::Resolved, Action::Abort),
             Decision::Death { .. } => (Status::Resolved, Action::AbortAndRestartGroup),
-            Decision::Pending { .. } => (Status::Pending, Action::Wait),
+            Decision::Pending { .. } | Decision::VictimPending { .. } => (Status::Pending, Action::Wait),
             Decision::Unknown => (Status::Unknown, Action::Abort),
+            Decision::Peer { inner, .. } => inner.status_action(),
+        }
+    }
+
+    /// The decision that names the culprit, through the peer groups of rule 7.
+    pub(crate) fn last(&self) -> &Decision {
+        match self {
+            Decision::Peer { inner, .. } => inner.last(),
+            d => d,
         }
     }
 
     /// Who and why, without building the culprit's strings.
     pub(crate) fn summary(&self, index: &Index, room: RoomId) -> Option<(GroupId, Rank, Reason, CulpritSource)> {
-        match self {
+        match self.last() {
             Decision::Record { idx } => {
                 let r = index.rooms.get(&room)?.records.get(*idx)?;
                 Some((r.group.clone(), r.rank, r.reason.clone(), CulpritSource::RoomRecord))
@@ -536,12 +705,12 @@ impl Decision {
                 let d = index.deaths.get(key)?;
                 Some((key.0.clone(), key.1, d.reason.clone(), death_source(d)))
             }
-            Decision::Pending { .. } | Decision::Unknown => None,
+            _ => None,
         }
     }
 
     pub(crate) fn culprit(&self, index: &Index, room: RoomId) -> Option<Culprit> {
-        match self {
+        match self.last() {
             Decision::Record { idx } => {
                 let r = index.rooms.get(&room)?.records.get(*idx)?;
                 let (host, pid, incarnation) = index.live_facts(&r.group, r.rank, r.incarnation);
@@ -596,7 +765,7 @@ impl Decision {
                     repeat: index.repeat_of(group, *rank, true),
                 })
             }
-            Decision::Pending { .. } | Decision::Unknown => None,
+            _ => None,
         }
     }
 }
@@ -616,18 +785,58 @@ fn death_source(d: &Death) -> CulpritSource {
     }
 }
 
-fn explain(decision: &Decision, culprit: Option<&Culprit>, scope: &Scope<'_>, room: RoomId) -> String {
+fn explain(
+    decision: &Decision,
+    culprit: Option<&Culprit>,
+    scope: &Scope<'_>,
+    victims: &[Victim],
+    room: RoomId,
+) -> String {
+    let mut d = decision;
+    let mut peer_group = None;
+    while let Decision::Peer { group, inner } = d {
+        peer_group = Some(group);
+        d = inner;
+    }
+    let groups = match peer_group {
+        Some(g) => g.to_string(),
+        None if scope.groups.is_empty() => "any group".to_string(),
+        None => scope.groups.iter().map(GroupId::as_str).collect::<Vec<_>>().join(", "),
+    };
+    let mut text = explain_decision(d, culprit, scope, &groups, room);
+    if !victims.is_empty() {
+        let who: Vec<String> = victims.iter().map(|v| format!("{} rank {}", v.group, v.rank)).collect();
+        text.push_str(&format!(" Victims (died because a peer vanished): {}.", who.join(", ")));
+    }
+    // Rule 7: what the room's own ranks were told by their transfer peer.
+    let told = scope.records.iter().find(|(_, r)| r.origin == Origin::PeerReported);
+    if let Some((_, r)) = told {
+        let via = match decision {
+            Decision::Peer { group, .. } => format!(", which is {group}"),
+            _ => ", which rootrank does not know".to_string(),
+        };
+        text = format!(
+            "{} rank {} was told by its transfer peer{via} that the peer failed room {room} ({}). {text}",
+            r.group,
+            r.rank,
+            one_line(r.detail.as_deref().unwrap_or(""))
+        );
+    }
+    text
+}
+
+fn explain_decision(
+    decision: &Decision,
+    culprit: Option<&Culprit>,
+    scope: &Scope<'_>,
+    groups: &str,
+    room: RoomId,
+) -> String {
     let others = scope
         .records
         .iter()
         .filter(|(_, r)| r.origin == Origin::Propagated)
         .count();
-    let groups: Vec<&str> = scope.groups.iter().map(GroupId::as_str).collect();
-    let groups = if groups.is_empty() {
-        "any group".to_string()
-    } else {
-        groups.join(", ")
-    };
     match (decision, culprit) {
         (Decision::Record { .. }, Some(c)) => format!(
             "{} rank {} failed room {room} first: {} ({}); {others} other rank(s) only saw the generic error. Abort the request.",
@@ -641,6 +850,10 @@ fn explain(decision: &Decision, culprit: Option<&Culprit>, scope: &Scope<'_>, ro
             c.reason,
             c.source,
             one_line(&c.detail)
+        ),
+        (Decision::VictimPending { remaining_ms }, _) => format!(
+            "A rank of {groups} died because a peer of its collective vanished; the rank it lost can still show up for {:.1} s. Wait (ask again with wait_ms).",
+            *remaining_ms as f64 / 1000.0
         ),
         (Decision::Pending { remaining_ms }, _) => format!(
             "No rank of {groups} has reported a cause for room {room} yet; a death could still show up for {:.1} s. Wait (ask again with wait_ms).",

@@ -24,7 +24,7 @@ fn op() -> impl Strategy<Value = Op> {
         (0u32..4).prop_map(Op::Vanish),
         (
             0u32..4,
-            prop_oneof![Just("oom_host"), Just("shutdown"), Just("gpu_xid")],
+            prop_oneof![Just("oom_host"), Just("shutdown"), Just("gpu_xid"), Just("peer_lost")],
             prop_oneof![Just("watchdog"), Just("agent"), Just("supervisor")]
         )
             .prop_map(|(r, reason, src)| Op::Certify(r, reason, src)),
@@ -181,16 +181,28 @@ proptest! {
                             let local = v.evidence.iter().any(|e| e.rank == c.rank && e.origin == Some(Origin::Local));
                             prop_assert!(local, "a culprit record must be local");
                         }
-                        // Rule 1: no candidate in the evidence is earlier than the culprit.
+                        // Rule 1: no candidate in the evidence is earlier than the culprit; rule 7:
+                        // a victim (peer_lost) only when no other candidate came before it.
+                        let is_victim = |e: &rootrank_core::Evidence| e.origin.is_none() && e.reason.as_str() == "peer_lost"
+                            && v.victims.iter().any(|x| x.group == e.group && x.rank == e.rank);
+                        let victim = c.reason.as_str() == "peer_lost" && v.victims.iter().any(|x| x.rank == c.rank);
                         let culprit_rev = v.evidence.iter()
                             .filter(|e| e.rank == c.rank && (e.origin == Some(Origin::Local) || e.origin.is_none()))
+                            .filter(|e| victim == is_victim(e))
                             .map(|e| e.revision).min();
                         let earliest = v.evidence.iter()
-                            .filter(|e| e.origin != Some(Origin::Propagated))
+                            .filter(|e| e.origin != Some(Origin::Propagated) && !is_victim(e))
                             .map(|e| e.revision).min();
-                        prop_assert_eq!(culprit_rev, earliest);
+                        if victim {
+                            prop_assert!(earliest.is_none_or(|e| Some(e) > culprit_rev), "a victim was named over an earlier candidate");
+                        } else {
+                            prop_assert_eq!(culprit_rev, earliest);
+                        }
                         if v.evidence.iter().all(|e| e.kind != EvidenceKind::RoomRecord) {
                             continue; // without records the question's time sets the windows
+                        }
+                        if victim && at != now {
+                            continue; // a victim stands once its window passed: only now says so
                         }
                         let who = (c.group.to_string(), c.rank, c.incarnation.map(|i| i.to_string()));
                         let seen = first.entry((room, g.is_some())).or_insert_with(|| who.clone());

@@ -335,7 +335,7 @@ fn rule2_death_window_bounds_old_and_late_deaths() {
     let mut w = World::new();
     group_of_four(&mut w);
     w.certify(G, 3, "oom_host", "watchdog");
-    w.advance(60_001); // that death is now older than the window
+    w.advance(360_001); // that death is now older than the window
     w.record(G, 0, 16, "propagated", "other");
     assert_eq!(w.verdict(16, None).status, Status::Pending);
     w.advance(6_001); // past TTL + grace: a death now is unrelated
@@ -345,7 +345,7 @@ fn rule2_death_window_bounds_old_and_late_deaths() {
     let mut w = World::new();
     group_of_four(&mut w);
     w.certify(G, 3, "oom_host", "watchdog");
-    w.advance(59_000); // inside the window
+    w.advance(359_000); // inside the window
     w.record(G, 0, 17, "propagated", "other");
     assert_eq!(w.verdict(17, None).culprit.unwrap().rank, 3);
 }
@@ -524,4 +524,173 @@ fn resolution_outputs_fire_once_per_room() {
         _ => unreachable!(),
     }
     assert_eq!(w.index.recent_failures(None, 10).len(), 1);
+}
+
+// ---- rule 7 (v3): victims and peer-reported records
+
+/// The survivors of a SIGKILL die in the next gloo all-reduce tens of milliseconds later and
+/// are certified `peer_lost` at once; the killed rank's lease expires seconds later.
+#[test]
+fn rule7_a_victim_is_never_named_over_the_rank_it_lost() {
+    let mut w = World::new();
+    group_of_four(&mut w);
+    w.advance(33);
+    for r in [0, 2, 3] {
+        w.certify(G, r, "peer_lost", "agent");
+    }
+    // The killed rank's lease has not expired yet: the victims are not the answer.
+    let v = w.verdict(50, Some(G));
+    assert_eq!((v.status, v.action), (Status::Pending, Action::Wait), "{}", v.explain);
+    assert!(v.culprit.is_none());
+    assert_eq!(v.victims.iter().map(|x| x.rank).collect::<Vec<_>>(), vec![0, 2, 3]);
+    assert!(v.explain.contains("peer of its collective vanished"), "{}", v.explain);
+    w.advance(5_000);
+    w.vanish(G, 1);
+    let v = w.verdict(50, Some(G));
+    assert_eq!(v.status, Status::Resolved);
+    let c = v.culprit.unwrap();
+    assert_eq!(
+        (c.rank, c.reason.as_str(), c.source.as_str()),
+        (1, "lease_expired", "lease_expired")
+    );
+    assert_eq!(v.victims.len(), 3);
+    assert!(
+        v.explain
+            .contains("Victims (died because a peer vanished): prefill-0 rank 0"),
+        "{}",
+        v.explain
+    );
+}
+
+#[test]
+fn rule7_the_same_culprit_whether_node_watch_wins_the_race_or_not() {
+    let named = |watchdog_first: bool| {
+        let mut w = World::new();
+        group_of_four(&mut w);
+        if watchdog_first {
+            w.certify(G, 1, "oom_host", "watchdog");
+        }
+        w.advance(30);
+        w.certify(G, 0, "peer_lost", "agent");
+        if !watchdog_first {
+            w.advance(10);
+            w.certify(G, 1, "oom_host", "watchdog");
+        }
+        w.record(G, 2, 60, "propagated", "other");
+        let c = w.verdict(60, None).culprit.unwrap();
+        (c.rank, c.reason.to_string())
+    };
+    assert_eq!(named(true), (1, "oom_host".to_string()));
+    assert_eq!(named(false), (1, "oom_host".to_string()));
+}
+
+#[test]
+fn rule7_a_local_record_outranks_an_earlier_victim() {
+    let mut w = World::new();
+    group_of_four(&mut w);
+    w.record(G, 0, 61, "propagated", "other");
+    w.certify(G, 0, "peer_lost", "agent");
+    w.advance(200);
+    w.record(G, 3, 61, "local", "nixl_error");
+    let c = w.verdict(61, None).culprit.unwrap();
+    assert_eq!((c.rank, c.reason.as_str()), (3, "nixl_error"));
+}
+
+#[test]
+fn rule7_a_victim_alone_is_named_once_nothing_else_can_show_up_and_stays_named() {
+    let mut w = World::new();
+    group_of_four(&mut w);
+    w.record(G, 2, 62, "propagated", "other");
+    w.certify(G, 2, "peer_lost", "agent");
+    assert_eq!(w.verdict(62, None).status, Status::Pending);
+    w.advance(6_001); // the slowest TTL (5 s) + 1 s after the victim's death
+    let v = w.verdict(62, None);
+    assert_eq!(v.status, Status::Resolved, "{}", v.explain);
+    let c = v.culprit.unwrap();
+    assert_eq!((c.rank, c.reason.as_str()), (2, "peer_lost"));
+    // A death after that window is unrelated: the answer stays (rule 2).
+    w.vanish(G, 1);
+    let c = w.verdict(62, None).culprit.unwrap();
+    assert_eq!((c.rank, c.reason.as_str()), (2, "peer_lost"));
+}
+
+/// A prefill rank that publishes the bootstrap endpoint decode knows it by.
+fn register_prefill(w: &mut World, g: &str, r: u32, size: u32, endpoint: &str) {
+    w.register(g, r, size, 5000);
+    let lease = w.incarnation(g, r);
+    let v = serde_json::json!({"v":1,"group":g,"rank":r,"group_size":size,"role":"prefill","host":"host-a","pid":1000 + r,
+        "lease_ttl_ms":5000,"started_at":rootrank_core::time::format_ms(w.now),"endpoints":[endpoint]});
+    w.put_raw(&key_live(g, r), v.to_string().into_bytes(), lease);
+}
+
+#[test]
+fn rule7_a_peer_reported_record_follows_the_peer_group() {
+    let mut w = World::new();
+    let p = "prefill-node-a:8998-dp0";
+    for r in 0..2 {
+        register_prefill(&mut w, p, r, 2, "10.0.0.5:8998");
+    }
+    w.register(D, 0, 1, 5000);
+    let peer = serde_json::json!({"endpoint":"10.0.0.5:8998","rank":1});
+    w.record_with_peer(D, 0, 70, "peer_reported", "other", peer);
+    // The decode rank is never the culprit in its own group; the prefill group may still
+    // show a death.
+    let v = w.verdict(70, Some(D));
+    assert_eq!(v.status, Status::Pending, "{}", v.explain);
+    assert!(v.groups.iter().any(|g| g.as_str() == p), "{:?}", v.groups);
+    assert!(
+        v.explain
+            .contains("was told by its transfer peer, which is prefill-node-a:8998-dp0"),
+        "{}",
+        v.explain
+    );
+    w.outputs.clear();
+    w.certify(p, 1, "oom_host", "watchdog");
+    let v = w.verdict(70, Some(D));
+    assert_eq!((v.status, v.action), (Status::Resolved, Action::AbortAndRestartGroup));
+    let c = v.culprit.unwrap();
+    assert_eq!(
+        (c.group.as_str(), c.rank, c.reason.as_str(), c.source.as_str()),
+        (p, 1, "oom_host", "down_certificate")
+    );
+    // The death in the peer group resolved the decode room for the metrics and the history.
+    assert!(
+        w.outputs
+            .iter()
+            .any(|o| matches!(o, Output::RoomResolved { room, .. } if room.get() == 70)),
+        "{:?}",
+        w.outputs
+    );
+    // Without a group the same answer.
+    assert_eq!(w.verdict(70, None).culprit.unwrap().rank, 1);
+}
+
+#[test]
+fn rule7_a_peer_reported_record_with_an_unknown_peer_is_unknown_with_its_words() {
+    let mut w = World::new();
+    w.register(D, 0, 1, 5000);
+    let peer = serde_json::json!({"endpoint":"10.9.9.9:8998"});
+    w.record_with_peer(D, 0, 71, "peer_reported", "peer_disconnect", peer);
+    let v = w.verdict(71, Some(D));
+    assert_eq!((v.status, v.action), (Status::Unknown, Action::Abort));
+    assert!(v.culprit.is_none());
+    assert!(v.explain.contains("which rootrank does not know"), "{}", v.explain);
+    assert!(v.explain.contains("NIXL KVSender Exception"), "{}", v.explain);
+}
+
+#[test]
+fn rule7_an_endpoint_shared_by_dp_groups_picks_the_group_with_the_room() {
+    let mut w = World::new();
+    for dp in 0..2 {
+        register_prefill(&mut w, &format!("prefill-a-dp{dp}"), 0, 1, "10.0.0.5:8998");
+    }
+    w.register(D, 0, 1, 5000);
+    w.record("prefill-a-dp1", 0, 72, "local", "nixl_error");
+    let peer = serde_json::json!({"endpoint":"10.0.0.5:8998","rank":0});
+    w.record_with_peer(D, 0, 72, "peer_reported", "other", peer);
+    let c = w.verdict(72, Some(D)).culprit.unwrap();
+    assert_eq!(
+        (c.group.as_str(), c.rank, c.reason.as_str()),
+        ("prefill-a-dp1", 0, "nixl_error")
+    );
 }

@@ -198,7 +198,7 @@ impl State {
                     self.consider(l, at_start);
                 }
             }
-            SyncMsg::Live(l) => self.consider(l, false),
+            SyncMsg::Live(l) => self.consider(*l, false),
             SyncMsg::LiveGone { group, rank, lease } => {
                 let key = (group, rank);
                 let same = self

@@ -297,10 +297,11 @@ impl PyAgent {
         let origin = match origin {
             "local" => Origin::Local,
             "propagated" => Origin::Propagated,
+            "peer_reported" => Origin::PeerReported,
             other => {
                 return Err(invalid(
                     py,
-                    format!("origin {other:?} must be \"local\" or \"propagated\""),
+                    format!("origin {other:?} must be \"local\", \"propagated\" or \"peer_reported\""),
                 ))
             }
         };

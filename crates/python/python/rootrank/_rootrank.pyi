@@ -38,7 +38,7 @@ class Agent:
         reason: str,
         detail: str = "",
         *,
-        origin: Literal["local", "propagated"] = "local",
+        origin: Literal["local", "propagated", "peer_reported"] = "local",
         peer: Peer | Mapping[str, object] | None = None,
     ) -> bool:
         """Enqueue a room failure record; False when the queue was full (dropped)."""
