@@ -16,8 +16,6 @@ Scenarios (``--culprit`` names the failing rank):
 - ``conclude``: the same through ``conclude_failure`` (the ``setdefault`` path).
 - ``inject``: the culprit's own poll returns Failed with no reason (SGLang's fault injection,
   ``SGLANG_TEST_DISAGG_FAILURE_PROB=1`` set on that rank only).
-- ``kill``: the culprit SIGKILLs itself (as the OOM killer would) after registering; the
-  survivors' poll reports Failed the way SGLang's would once the peer is gone.
 - ``fatal``: the culprit dies in SGLang's real ``run_scheduler_process`` with an exception
   (its parent, like SGLang's launcher, receives the SIGQUIT).
 - ``none``: nobody fails on purpose; every rank records itself (for the plugin-off checks).
@@ -28,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 import tempfile
 import time
@@ -93,15 +90,13 @@ def main() -> None:
         kv_mgr.update_status(args.room, KVPoll.Failed)
     elif culprit and args.scenario == "conclude":
         kv_mgr.conclude_failure(bootstrap_room=args.room, failure_reason="KVSender failed to post transfer")
-    elif culprit and args.scenario == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
     elif culprit and args.scenario == "fatal":
         fatal(server_args)
         return
-    if args.scenario in ("kill", "fatal"):
+    if args.scenario == "fatal":
         wait_gone(os.path.join(out_dir, f"pid{args.culprit}"))
-        # The peer is gone: SGLang's own timeout or heartbeat would mark the room Failed
-        # on this rank (with no reason of its own); the collective has no partner left.
+        # The peer died of an exception before the all-reduce; SGLang's launcher takes the
+        # instance down, and this rank's room is failed with no reason of its own.
         kv_mgr.update_status(args.room, KVPoll.Failed)
         polls = [int(sender.poll())]
     else:
@@ -129,16 +124,7 @@ def main() -> None:
         pass
     with open(args.out, "w") as f:
         json.dump(result, f)
-    if args.scenario == "kill":
-        # Let rootrank log the culprit of a room that was pending when the budget ran out.
-        try:
-            import rootrank.sglang as plugin
-
-            if plugin._plugin is not None:
-                plugin._plugin.wait_followed(30)
-        except ImportError:
-            pass
-    if args.scenario not in ("kill", "fatal"):
+    if args.scenario != "fatal":
         dist.barrier(group=gloo_group)
     if server is not None:
         server.close() if hasattr(server, "close") else None

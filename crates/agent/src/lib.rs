@@ -66,6 +66,10 @@ pub struct AgentConfig {
     pub host: Option<String>,
     pub nixl_agent: Option<String>,
     pub gpu: Option<String>,
+    /// Addresses by which transfer peers know this rank or its instance (`RankLive.endpoints`,
+    /// e.g. a prefill's bootstrap `host:port` as decode reaches it): a peer's record naming
+    /// only that address leads to this rank's group.
+    pub advertised: Vec<String>,
     /// Where the agent thread's logs go. `None` uses the process's global `tracing`
     /// subscriber; a host that has none of its own (a Python rank) passes one here, so the
     /// agent never installs a process-wide subscriber in someone else's process.
@@ -91,6 +95,7 @@ impl AgentConfig {
             host: read_trimmed("/proc/sys/kernel/hostname"),
             nixl_agent: None,
             gpu: None,
+            advertised: Vec::new(),
             log: None,
         })
     }

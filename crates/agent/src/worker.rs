@@ -87,7 +87,7 @@ fn live_record(config: &AgentConfig, started_at: &str) -> Result<Vec<u8>, serde_
         agent: Some(AGENT_VERSION.to_string()),
         nixl_agent: config.nixl_agent.clone(),
         gpu: config.gpu.clone(),
-        endpoints: Vec::new(),
+        endpoints: config.advertised.clone(),
         pid_ns: None,
         start_ticks: None,
     };

@@ -221,6 +221,13 @@ async fn supervise_inner(config: SuperviseConfig) -> Result<SupervisedExit, Node
     let c = rootrank_watchdog::diagnose(&pe, &kernel, gpu.as_deref()).await;
     let (reason, detail) = if exit.code == Some(0) {
         (Reason::well_known(reasons::SHUTDOWN), "exited with code 0".to_string())
+    } else if c.reason == rootrank_watchdog::reason::PROCESS_EXIT
+        && rootrank_core::fatal::is_peer_lost(&log_tail.join("\n"))
+    {
+        // Nothing outside the process killed it, and its last words say a peer of its
+        // collective vanished: a victim (rule 7), whatever its exit status.
+        let last = rootrank_core::fatal::exception_line(&log_tail.join("\n")).to_string();
+        (Reason::well_known(reasons::PEER_LOST), format!("{last} ({})", c.detail))
     } else {
         (Reason::new(c.reason)?, c.detail)
     };

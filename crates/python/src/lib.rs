@@ -194,7 +194,7 @@ impl PyAgent {
 #[pymethods]
 impl PyAgent {
     #[new]
-    #[pyo3(signature = (group, rank, group_size, *, etcd_endpoints=None, prefix=None, lease_ttl_ms=5000, role=None, retention_s=600.0, queue_capacity=10000, host=None, nixl_agent=None, gpu=None))]
+    #[pyo3(signature = (group, rank, group_size, *, etcd_endpoints=None, prefix=None, lease_ttl_ms=5000, role=None, retention_s=600.0, queue_capacity=10000, host=None, nixl_agent=None, gpu=None, endpoints=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -210,8 +210,9 @@ impl PyAgent {
         host: Option<String>,
         nixl_agent: Option<String>,
         gpu: Option<String>,
+        endpoints: Option<Vec<String>>,
     ) -> PyResult<Self> {
-        let endpoints = endpoints_from(py, etcd_endpoints)?;
+        let etcd = endpoints_from(py, etcd_endpoints)?;
         let (rank_u, size_u) = match (u64::try_from(rank), u64::try_from(group_size)) {
             (Ok(r), Ok(s)) => (r, s),
             _ => {
@@ -221,7 +222,7 @@ impl PyAgent {
                 ))
             }
         };
-        let mut config = AgentConfig::new(endpoints, group, rank_u, size_u).map_err(|e| agent_error(py, e))?;
+        let mut config = AgentConfig::new(etcd, group, rank_u, size_u).map_err(|e| agent_error(py, e))?;
         config.prefix = prefix
             .or_else(|| std::env::var("ROOTRANK_PREFIX").ok().filter(|p| !p.is_empty()))
             .unwrap_or_else(|| DEFAULT_PREFIX.to_string());
@@ -250,6 +251,14 @@ impl PyAgent {
             }
         }
         config.role = role;
+        let advertised = endpoints.unwrap_or_default();
+        if advertised.len() > 64 || advertised.iter().any(|e| e.is_empty() || e.len() > 256) {
+            return Err(invalid(
+                py,
+                "endpoints must be at most 64 non-empty \"host:port\" strings of at most 256 bytes".into(),
+            ));
+        }
+        config.advertised = advertised;
         if !(retention_s.is_finite() && retention_s >= 1.0) {
             return Err(invalid(py, format!("retention_s {retention_s} must be at least 1")));
         }
@@ -446,9 +455,18 @@ impl PyAgent {
 }
 
 /// The native module. `rootrank/__init__.py` re-exports what users need.
+/// ``"peer_lost"`` when a fatal traceback's exception says a peer of the rank's collective
+/// vanished (gloo's "Connection closed by peer", NCCL's remote error, ...: a victim, SPEC rule
+/// 7), else ``"python_exception"``. The same table `rootrank run` uses.
+#[pyfunction]
+fn classify_fatal(traceback: &str) -> &'static str {
+    rootrank_core::fatal::classify_fatal(traceback)
+}
+
 #[pymodule]
 fn _rootrank(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyAgent>()?;
+    m.add_function(wrap_pyfunction!(classify_fatal, m)?)?;
     m.add("AGENT_VERSION", AGENT_VERSION)?;
     Ok(())
 }

@@ -31,6 +31,7 @@ class Agent:
         host: str | None = None,
         nixl_agent: str | None = None,
         gpu: str | None = None,
+        endpoints: Sequence[str] | None = None,
     ) -> None: ...
     def record_failure(
         self,
@@ -73,3 +74,8 @@ class Agent:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool: ...
+
+def classify_fatal(traceback: str) -> str:
+    """``"peer_lost"`` when a fatal traceback's exception says a peer of the rank's collective
+    vanished (a victim, SPEC rule 7), else ``"python_exception"``."""
+    ...

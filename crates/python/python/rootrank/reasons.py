@@ -57,3 +57,13 @@ def classify(text: str) -> Tuple[str, Optional[Dict[str, str]]]:
     if m:
         peer = {"endpoint": m.group(1)}
     return reason, peer
+
+
+def names_prefill_peer(text: str) -> bool:
+    """Whether a decode rank's failure text says the prefill instance went away (decode's
+    heartbeat, ``Lost connection with prefill instance (bootstrap_addr: X)``, and its kin):
+    the prefill's failure as decode learned it, published ``peer_reported``."""
+    lower = str(text).lower()
+    return bool(_BOOTSTRAP_ADDR.search(text) or _PREFILL_ENDPOINT.search(text)) and any(
+        n in lower for n in ("lost connection with prefill instance", "is healthy before, but now it is down",
+                             "failed to get kvcache from prefill instance"))

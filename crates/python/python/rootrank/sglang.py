@@ -36,13 +36,15 @@ import logging
 import os
 import queue
 import re
+import socket
 import sys
 import threading
 import time
 import traceback
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from rootrank.reasons import classify
+from rootrank._rootrank import classify_fatal
+from rootrank.reasons import classify, names_prefill_peer
 
 logger = logging.getLogger("rootrank.sglang")
 
@@ -58,18 +60,23 @@ FATAL_FLUSH_TIMEOUT_S = 2.0
 # published twice at worst, and etcd keeps the first).
 PUBLISHED_MEMORY = 65536
 FAILED = 0  # KVPoll.Failed: plain int in every SGLang version
+SUCCESS = 4  # KVPoll.Success
 
 _NON_SCHEDULER_ENTRIES = ("run_detokenizer_process", "run_data_parallel_controller_process")
 
 _stats: Dict[str, int] = {
     "local_published": 0,
     "propagated_published": 0,
+    "peer_reported_published": 0,
     "fallbacks_rewritten": 0,
     "fallbacks_pending": 0,
     "errors": 0,
 }
 _errors_logged: set = set()
 _plugin: Optional["_Plugin"] = None
+# Set on the decode listener thread while SGLang applies a prefill's Failed status: the
+# record it writes is the prefill's failure, reported to us (room, peer).
+_told = threading.local()
 _register_lock = threading.Lock()
 
 
@@ -99,32 +106,96 @@ _GROUP_CHARS = re.compile(r"[^A-Za-z0-9._:-]")
 
 def group_of(kv_mgr: Any) -> Tuple[str, int, int, Optional[str]]:
     """``(group, rank, group_size, role)`` of the reduction group a KV manager's rank polls
-    in: one SGLang instance x attention-DP rank (x pp rank), members by (attn_cp_rank,
-    attn_tp_rank). See SGLANG-FACTS "What one reduction covers"."""
+    in (SPEC section 9, v3): one SGLang instance x DP replica, every TP x CP x PP rank of it
+    (SGLang's PP consensus spans the stages), rank ``pp * cp_size * tp_size + cp * tp_size +
+    tp``. The DP replica is the attention-DP rank under DP attention, else the system DP rank
+    (plain ``--dp-size``: one scheduler group per replica). The instance is
+    ``ROOTRANK_INSTANCE``, else ``dist_init_addr`` (shared by the ranks of a multi-node
+    instance), else this machine's hostname with the bootstrap port (prefill) or the serving
+    port (decode): never ``--host``, which is 127.0.0.1 or 0.0.0.0 on every node."""
     role = str(_value(getattr(kv_mgr, "disaggregation_mode", ""))).lower()
     role = role if role in ("prefill", "decode") else None
     instance = os.environ.get("ROOTRANK_INSTANCE", "").strip()
     if not instance:
         dist_init_addr = getattr(kv_mgr, "dist_init_addr", None)
-        if role == "prefill" and not dist_init_addr:
-            instance = f"{getattr(kv_mgr, 'bootstrap_host', None) or '127.0.0.1'}:{getattr(kv_mgr, 'bootstrap_port', 0)}"
-        elif dist_init_addr:
+        if dist_init_addr:
             instance = str(dist_init_addr)
         else:
-            sa = getattr(kv_mgr, "server_args", None)
-            instance = f"{getattr(sa, 'host', None) or '127.0.0.1'}:{getattr(sa, 'port', 0)}"
-    tp_size = int(getattr(kv_mgr, "attn_tp_size", 1) or 1)
-    tp_rank = int(getattr(kv_mgr, "attn_tp_rank", 0) or 0)
-    cp_size = int(getattr(kv_mgr, "attn_cp_size", 1) or 1)
-    cp_rank = int(getattr(kv_mgr, "attn_cp_rank", 0) or 0)
-    dp_rank = int(getattr(kv_mgr, "attn_dp_rank", 0) or 0)
-    group = f"{role or 'rank'}-{_GROUP_CHARS.sub('_', instance)}-dp{dp_rank}"
-    pp_size = int(getattr(kv_mgr, "pp_size", 1) or 1)
-    if pp_size > 1:
-        group += f"-pp{int(getattr(kv_mgr, 'pp_rank', 0) or 0)}"
+            if role == "prefill":
+                port = getattr(kv_mgr, "bootstrap_port", 0)
+            else:
+                port = getattr(getattr(kv_mgr, "server_args", None), "port", 0)
+            instance = f"{socket.gethostname()}:{port}"
+    tp_size = _int(kv_mgr, "attn_tp_size", 1)
+    tp_rank = _int(kv_mgr, "attn_tp_rank", 0)
+    cp_size = _int(kv_mgr, "attn_cp_size", 1)
+    cp_rank = _int(kv_mgr, "attn_cp_rank", 0)
+    pp_size = _int(kv_mgr, "pp_size", 1)
+    pp_rank = _int(kv_mgr, "pp_rank", 0)
+    dp = _int(kv_mgr, "attn_dp_rank", 0) if _int(kv_mgr, "attn_dp_size", 1) > 1 else _int(kv_mgr, "system_dp_rank", 0)
+    group = f"{role or 'rank'}-{_GROUP_CHARS.sub('_', instance)}-dp{dp}"
     if len(group) > 128:
         group = group[:64] + group[-64:]
-    return group, cp_rank * tp_size + tp_rank, tp_size * cp_size, role
+    rank = pp_rank * cp_size * tp_size + cp_rank * tp_size + tp_rank
+    return group, rank, pp_size * cp_size * tp_size, role
+
+
+def _int(obj: Any, name: str, default: int) -> int:
+    try:
+        v = getattr(obj, name, default)
+        return default if v is None else int(v)
+    except (TypeError, ValueError):
+        return default
+
+
+def endpoints_of(kv_mgr: Any) -> List[str]:
+    """The addresses by which decode knows a prefill rank's instance (its bootstrap
+    ``host:port``, as the router hands it to decode): SGLang's own host and local IP, this
+    machine's name, and loopback when it serves on every address. A decode record naming
+    one of them leads to this rank's group (SPEC rule 7)."""
+    if str(_value(getattr(kv_mgr, "disaggregation_mode", ""))).lower() != "prefill":
+        return []
+    port = getattr(kv_mgr, "bootstrap_port", None)
+    if not port:
+        return []
+    host = str(getattr(kv_mgr, "bootstrap_host", None) or "")
+    hosts = [h for h in (host, getattr(kv_mgr, "local_ip", None), socket.gethostname()) if h]
+    if host in ("", "0.0.0.0", "::", "127.0.0.1", "localhost"):
+        hosts.append("127.0.0.1")
+    out: List[str] = []
+    for h in hosts:
+        h = str(h)
+        e = f"[{h}]:{port}" if ":" in h and not h.startswith("[") else f"{h}:{port}"
+        if e not in out and h not in ("0.0.0.0", "::"):
+            out.append(e)
+    return out
+
+
+def prefill_peer(kv_mgr: Any, room: Any, unique_rank: Any) -> Dict[str, Any]:
+    """The prefill rank that told a decode rank it failed ``room``: its bootstrap address
+    (the prefill instance as decode knows it) and its rank in rootrank's group, mapped from
+    SGLang's ``_prefill_unique_rank`` (``tp * pp_size * cp_size + pp * cp_size + cp``) with
+    the prefill's parallel info decode fetched at bootstrap."""
+    peer: Dict[str, Any] = {}
+    tracker = getattr(kv_mgr, "addr_to_rooms_tracker", None)
+    addr = None
+    if isinstance(tracker, dict):
+        for a, rooms in list(tracker.items()):
+            if room in rooms:
+                addr = a
+                break
+    if addr is None:
+        return peer
+    peer["endpoint"] = str(addr)
+    info = (getattr(kv_mgr, "prefill_info_table", None) or {}).get(addr)
+    try:
+        tp, cp, pp, u = int(info.attn_tp_size), int(info.attn_cp_size), int(info.pp_size), int(unique_rank)
+        tp_rank, rest = divmod(u, pp * cp)
+        pp_rank, cp_rank = divmod(rest, cp)
+        peer["rank"] = pp_rank * cp * tp + cp_rank * tp + tp_rank
+    except (AttributeError, TypeError, ValueError, ZeroDivisionError):
+        pass
+    return peer
 
 
 # --------------------------------------------------------------------------- per rank
@@ -133,19 +204,29 @@ def group_of(kv_mgr: Any) -> Tuple[str, int, int, Optional[str]]:
 class _Rank:
     """One registered rank of this process (normally exactly one)."""
 
-    def __init__(self, agent: Any, group: str, rank: int):
+    def __init__(self, agent: Any, group: str, rank: int, role: Optional[str] = None):
         self.agent = agent
         self.group = group
         self.rank = rank
+        self.role = role
+        self.managers: List[Any] = []  # this rank's KV managers, for the rooms in flight
         self.published: Dict[int, None] = {}  # insertion-ordered set, bounded
 
     def publish_local(self, kv_mgr: Any, room: Any, text: Any) -> None:
         if room in self.published:
             return
         reason, peer = classify(str(text))
-        peer = _peer_from_manager(kv_mgr, room, peer)
-        if self.agent.record_failure(int(room), reason, str(text), origin="local", peer=peer):
-            _stats["local_published"] += 1
+        told = getattr(_told, "by", None)
+        if told is not None and told[0] == room:
+            # The prefill's status message said it failed the room (apply_prefill_status).
+            origin, peer = "peer_reported", {**(peer or {}), **told[1]}
+        elif self.role == "decode" and names_prefill_peer(str(text)):
+            # Decode lost the prefill instance (its heartbeat): the prefill's failure, not ours.
+            origin = "peer_reported"
+        else:
+            origin, peer = "local", _peer_from_manager(kv_mgr, room, peer)
+        if self.agent.record_failure(int(room), reason, str(text), origin=origin, peer=peer):
+            _stats["local_published" if origin == "local" else "peer_reported_published"] += 1
         # SGLang's transfer threads record failures too: these steps may interleave, and the
         # worst outcome of a race is one more (create-if-absent, so harmless) publish.
         self.published[room] = None
@@ -262,8 +343,9 @@ class _Plugin:
                 lease_ttl_ms=self.lease_ttl_ms,
                 role=role,
                 nixl_agent=nixl if isinstance(nixl, str) else None,
+                endpoints=endpoints_of(kv_mgr),
             )
-            r = _Rank(agent, group, rank)
+            r = _Rank(agent, group, rank, role)
             self.ranks[group] = r
             logger.info("rootrank: rank %d of %s (size %d, role %s) registering with etcd %s", rank, group, size, role, self.endpoints)
         records = _FailureRecords(getattr(kv_mgr, "failure_records", None) or {})
@@ -271,11 +353,26 @@ class _Plugin:
         records._rootrank_mgr = kv_mgr
         kv_mgr.failure_records = records
         kv_mgr._rootrank_rank = r
+        r.managers.append(kv_mgr)
         # Reasons recorded before the hook (none in practice) are published too.
         for room, reason in list(records.items()):
             r.publish_local(kv_mgr, room, reason)
 
     # ---- local Failed polls
+
+    def on_own_status(self, pollers: List[Any]) -> None:
+        """Under PP, SGLang's poll is the consensus of every stage (PP rank 0) or a copy of it
+        (the other stages): a rank publishes only its own status (SPEC section 9, v3)."""
+        own = []
+        for poller in pollers:
+            kv_mgr = getattr(poller, "kv_mgr", None)
+            room = getattr(poller, "bootstrap_room", None)
+            try:
+                status = int(kv_mgr.check_status(room)) if room in kv_mgr.request_status else None
+            except Exception:
+                status = None
+            own.append(FAILED if status == FAILED else -1)
+        self.on_polls(own, pollers)
 
     def on_polls(self, polls: List[int], pollers: List[Any]) -> None:
         for poll, poller in zip(polls, pollers):
@@ -401,12 +498,20 @@ class _Plugin:
     def on_fatal(self, tb: str) -> None:
         lines = [l for l in str(tb).splitlines() if l.strip()]
         detail = lines[-1] if lines else "scheduler exception"
+        # A scheduler that died because a peer of its collective vanished (gloo raises in the
+        # survivors of a SIGKILL within milliseconds) is a victim, never the culprit (rule 7).
+        reason = classify_fatal(str(tb))
         for r in list(self.ranks.values()):
-            r.agent.record_down("python_exception", detail, log_tail=lines[-100:])
+            r.agent.record_down(reason, detail, log_tail=lines[-100:])
+            # The rooms this rank had in flight die with it: say so (never a root cause), so
+            # the coordinator knows them and lists their culprit among the failures.
+            for room in _rooms_in_flight(r.managers):
+                r.agent.record_failure(int(room), reason, f"this rank died ({reason}) with the room in flight: {detail}",
+                                       origin="propagated")
         for r in list(self.ranks.values()):
             r.agent.flush(FATAL_FLUSH_TIMEOUT_S)
         self.dead = True
-        logger.info("rootrank: fatal scheduler exception certified for %s", ", ".join(self.ranks) or "no rank")
+        logger.info("rootrank: fatal scheduler exception (%s) certified for %s", reason, ", ".join(self.ranks) or "no rank")
 
     def on_clean_exit(self) -> None:
         if self.dead:
@@ -423,6 +528,19 @@ class _Plugin:
             self.on_clean_exit()
         except Exception:
             _fault("exit")
+
+
+def _rooms_in_flight(managers: List[Any], limit: int = 4096) -> List[int]:
+    """Rooms a rank's KV managers hold that have not concluded (bounded)."""
+    rooms: List[int] = []
+    for kv_mgr in managers:
+        try:
+            for room, status in list(getattr(kv_mgr, "request_status", {}).items()):
+                if int(status) not in (FAILED, SUCCESS) and len(rooms) < limit:
+                    rooms.append(int(room))
+        except Exception:
+            continue
+    return rooms
 
 
 def culprit_text(verdict: Optional[Dict[str, Any]]) -> Optional[str]:
@@ -480,6 +598,34 @@ def _after_poll(polls: Any, pollers: Any = None, *args: Any, **kwargs: Any) -> N
             except Exception:
                 _fault("poll hook")
     return None
+
+
+def _after_poll_pp(polls: Any, pollers: Any = None, *args: Any, **kwargs: Any) -> None:
+    p = _plugin
+    if p is not None and pollers:
+        p.epoch += 1
+        try:
+            p.on_own_status(pollers)
+        except Exception:
+            _fault("PP poll hook")
+    return None
+
+
+def _around_apply_prefill_status(original: Callable[..., Any], kv_mgr: Any, *args: Any, **kwargs: Any) -> Any:
+    told = None
+    try:
+        if _plugin is not None and int(kwargs.get("status", -1)) == FAILED:
+            room = kwargs.get("bootstrap_room")
+            told = (room, prefill_peer(kv_mgr, room, kwargs.get("prefill_rank")))
+    except Exception:
+        _fault("prefill status hook")
+    if told is None:
+        return original(kv_mgr, *args, **kwargs)
+    _told.by = told
+    try:
+        return original(kv_mgr, *args, **kwargs)
+    finally:
+        _told.by = None
 
 
 def _around_failure_exception(original: Callable[..., Any], owner: Any, *args: Any, **kwargs: Any) -> Any:
@@ -590,9 +736,17 @@ def _install(plugin: "_Plugin") -> None:
         pass
     import sglang.srt.disaggregation.utils as dutils
 
-    for fn in ("_poll_with_failure_injection", "_poll_with_failure_injection_pp"):
-        if hasattr(dutils, fn):
-            hook(f"sglang.srt.disaggregation.utils.{fn}", _after_poll, HookType.AFTER)
+    # The rank's own polls (without PP); under PP every stage's own status, since PP rank 0's
+    # poll is the consensus of all stages and the others only receive it.
+    if hasattr(dutils, "_poll_with_failure_injection"):
+        hook("sglang.srt.disaggregation.utils._poll_with_failure_injection", _after_poll, HookType.AFTER)
+    if hasattr(dutils, "poll_and_all_reduce_prefill_pp"):
+        hook("sglang.srt.disaggregation.utils.poll_and_all_reduce_prefill_pp", _after_poll_pp, HookType.AFTER)
+    from sglang.srt.disaggregation.common.conn import CommonKVManager
+
+    if hasattr(CommonKVManager, "apply_prefill_status"):
+        hook("sglang.srt.disaggregation.common.conn.CommonKVManager.apply_prefill_status",
+             _around_apply_prefill_status, HookType.AROUND)
     for cls in _fallback_classes():
         hook(f"{cls.__module__}.{cls.__qualname__}.failure_exception", _around_failure_exception, HookType.AROUND)
     hook("sglang.utils.get_exception_traceback", _after_exception_traceback, HookType.AFTER)
