@@ -37,17 +37,51 @@ def test_sglang_reason_strings_are_classified(text, reason, peer):
 
 
 def test_group_identity_from_the_kv_manager(monkeypatch):
+    """SPEC section 9 v3: one group per instance x DP replica over every TP x CP x PP rank; the
+    instance is dist_init_addr or this host's name with the port, never --host."""
+    import socket
+
     monkeypatch.delenv("ROOTRANK_INSTANCE", raising=False)
+    host = socket.gethostname()
     mode = types.SimpleNamespace(value="prefill")
-    mgr = types.SimpleNamespace(disaggregation_mode=mode, bootstrap_host="10.0.0.5", bootstrap_port=8998,
+    # DP attention: the attention-DP rank is the replica.
+    mgr = types.SimpleNamespace(disaggregation_mode=mode, bootstrap_host="0.0.0.0", bootstrap_port=8998,
                                 dist_init_addr=None, attn_tp_size=4, attn_tp_rank=3, attn_cp_size=2,
-                                attn_cp_rank=1, attn_dp_rank=2, pp_size=1)
-    assert plugin.group_of(mgr) == ("prefill-10.0.0.5:8998-dp2", 7, 8, "prefill")
+                                attn_cp_rank=1, attn_dp_size=4, attn_dp_rank=2, system_dp_rank=0, pp_size=1)
+    assert plugin.group_of(mgr) == (f"prefill-{host}:8998-dp2", 7, 8, "prefill")
+    # Plain DP (attention DP off): the system DP rank is the replica, so replicas never share.
+    plain = [types.SimpleNamespace(**{**vars(mgr), "attn_dp_size": 1, "attn_dp_rank": 0, "system_dp_rank": d}) for d in (0, 1)]
+    assert [plugin.group_of(m)[0] for m in plain] == [f"prefill-{host}:8998-dp0", f"prefill-{host}:8998-dp1"]
+    # PP: one group over the stages (SGLang's consensus spans them), rank pp * cp * tp + cp * tp + tp.
     decode = types.SimpleNamespace(disaggregation_mode=types.SimpleNamespace(value="decode"), dist_init_addr="10.0.1.1:5000",
                                    attn_tp_size=2, attn_tp_rank=1, attn_dp_rank=0, pp_size=2, pp_rank=1)
-    assert plugin.group_of(decode) == ("decode-10.0.1.1:5000-dp0-pp1", 1, 2, "decode")
+    assert plugin.group_of(decode) == ("decode-10.0.1.1:5000-dp0", 3, 4, "decode")
     monkeypatch.setenv("ROOTRANK_INSTANCE", "prefill pool/a")
     assert plugin.group_of(mgr)[0] == "prefill-prefill_pool_a-dp2"
+    # What decode knows the prefill by: loopback too when it serves on every address.
+    assert plugin.endpoints_of(mgr)[-1] == "127.0.0.1:8998" and f"{host}:8998" in plugin.endpoints_of(mgr)
+
+
+@pytest.mark.parametrize("text", [
+    "RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:561] Connection closed by peer [127.0.0.1]:8355. This is typically caused by a remote worker crashing.",
+    "RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:545] Read error [127.0.0.1]:4997: Connection reset by peer.",
+])
+def test_a_lost_collective_is_peer_lost_and_a_python_socket_is_not(text):
+    from rootrank._rootrank import classify_fatal
+
+    assert classify_fatal(f"Traceback (most recent call last):\n  File \"x\", line 1, in f\n{text}\n") == "peer_lost"
+    assert classify_fatal("ConnectionResetError: [Errno 104] Connection reset by peer") == "python_exception"
+
+
+def test_a_prefill_status_names_the_prefill_rank_in_rootrank_terms():
+    """SGLang's status message carries ``_prefill_unique_rank`` (tp * pp * cp + pp * cp + cp);
+    the peer is named by bootstrap address and rootrank's rank (pp * cp * tp + cp * tp + tp)."""
+    info = types.SimpleNamespace(attn_tp_size=4, attn_cp_size=1, pp_size=2)
+    mgr = types.SimpleNamespace(addr_to_rooms_tracker={"10.0.0.5:8998": {77}}, prefill_info_table={"10.0.0.5:8998": info})
+    # tp 3, pp 1 -> unique 3 * 2 + 1 = 7 -> rootrank 1 * 4 + 3 = 7; tp 1, pp 1 -> 3 -> 5.
+    assert plugin.prefill_peer(mgr, 77, 7) == {"endpoint": "10.0.0.5:8998", "rank": 7}
+    assert plugin.prefill_peer(mgr, 77, 3) == {"endpoint": "10.0.0.5:8998", "rank": 5}
+    assert plugin.prefill_peer(mgr, 78, 3) == {}
 
 
 def test_an_exception_inside_the_plugin_never_reaches_sglang(caplog):
