@@ -407,7 +407,12 @@ async fn register_for_child(
                 c.prefix = config.prefix.clone();
                 c.lease_ttl = config.lease_ttl;
                 c.retention = config.retention;
+                // The child as this supervisor sees it: its pid, namespace and start time,
+                // so node-watch can verify it, and the child's own agent takes over.
                 c.pid = pid;
+                c.pid_ns = rootrank_agent::procfs::pid_ns(Some(pid));
+                c.start_ticks = rootrank_agent::procfs::start_ticks(Some(pid));
+                c.on_behalf = true;
                 c
             })
             .and_then(Agent::start);
