@@ -268,23 +268,28 @@ async fn register(
         rootrank_store::Created::Held(Some(kv)) => kv,
     };
     let record = RankLive::parse(kv.value()).ok();
-    if let Some(r) = &record {
-        if !config.on_behalf && registered_for_us(config, r) {
-            info!(
-                supervisor_lease = kv.lease(),
-                "the live key was registered for this process by its supervisor; taking it over"
-            );
-            if let Some(revision) =
-                rootrank_store::put_if_unchanged(client, key, kv.mod_revision(), value, Some(lease)).await?
-            {
-                return Ok(Registration::Created(revision));
-            }
+    // Whom the key may be taken from: nobody alive claims it as its own.
+    let take_over = match &record {
+        Some(r) if !config.on_behalf && registered_for_us(config, r) => {
+            Some("the live key was registered for this process by its supervisor; taking it over")
+        }
+        Some(r) if process_gone(config, r) => {
+            Some("the live key's holder was a process of this host that is gone (a restart before its lease ran out); taking it over")
+        }
+        _ if certified_dead(client, config, kv.lease()).await? => {
+            Some("the live key's holder is certified dead (its lease has not run out yet); taking it over")
+        }
+        _ => None,
+    };
+    if let Some(why) = take_over {
+        info!(holder = kv.lease(), "{why}");
+        if let Some(revision) =
+            rootrank_store::put_if_unchanged(client, key, kv.mod_revision(), value, Some(lease)).await?
+        {
+            return Ok(Registration::Created(revision));
         }
     }
-    let names_our_process = config.on_behalf
-        && record
-            .as_ref()
-            .is_some_and(|r| r.pid == Some(config.pid) && r.start_ticks == config.start_ticks);
+    let names_our_process = config.on_behalf && record.as_ref().is_some_and(|r| names_process_or_child(config, r));
     Ok(Registration::Refused(Some(Box::new(Holder {
         lease: kv.lease(),
         record,
@@ -325,6 +330,71 @@ fn registered_for_us(config: &AgentConfig, holder: &RankLive) -> bool {
         }
     }
     false
+}
+
+/// Whether `holder` names the process we register for (`on_behalf`), or a descendant of it
+/// (a rank under a launcher): the rank's own agent registered first.
+fn names_process_or_child(config: &AgentConfig, holder: &RankLive) -> bool {
+    if holder.pid == Some(config.pid) && holder.start_ticks == config.start_ticks {
+        return true;
+    }
+    let Some(mut p) = holder
+        .pid
+        .filter(|_| holder.pid_ns.is_some() && holder.pid_ns == procfs::pid_ns(None))
+    else {
+        return false;
+    };
+    for _ in 0..MAX_ANCESTRY {
+        match procfs::parent_of(p) {
+            Some(pp) if pp == config.pid => return true,
+            Some(pp) if pp > 1 && pp != p => p = pp,
+            _ => return false,
+        }
+    }
+    false
+}
+
+/// Whether `holder` names a process of this host, boot and pid namespace that no longer
+/// runs (no process at its pid, or a younger one): a rank restarted before its previous
+/// incarnation's lease ran out.
+fn process_gone(config: &AgentConfig, holder: &RankLive) -> bool {
+    let ours = |h: &Option<String>, c: &Option<String>| h.is_some() && h == c;
+    let (Some(pid), Some(started)) = (holder.pid, holder.start_ticks) else {
+        return false;
+    };
+    // Our /proc must show our own namespace (a container may see the host's), or a pid of
+    // the holder's namespace would be read as another process.
+    let own_proc = procfs::start_ticks(Some(std::process::id()));
+    if !ours(&holder.host, &config.host)
+        || !ours(&holder.boot_id, &crate::read_trimmed("/proc/sys/kernel/random/boot_id"))
+        || holder.pid_ns.is_none()
+        || holder.pid_ns != procfs::pid_ns(None)
+        || own_proc.is_none()
+        || own_proc != procfs::start_ticks(None)
+    {
+        return false;
+    }
+    procfs::start_ticks(Some(pid)) != Some(started)
+}
+
+/// Whether the holder's incarnation already has a down certificate (node-watch or a
+/// supervisor saw it die): its live key only waits for its lease to run out.
+async fn certified_dead(
+    client: &mut Client,
+    config: &AgentConfig,
+    holder_lease: i64,
+) -> Result<bool, rootrank_store::etcd_client::Error> {
+    let Ok(incarnation) = Incarnation::new(holder_lease) else {
+        return Ok(false);
+    };
+    let key = Keys::new(&config.prefix).down(&config.group, config.rank, incarnation);
+    let resp = client
+        .get(
+            key,
+            Some(rootrank_store::etcd_client::GetOptions::new().with_count_only()),
+        )
+        .await?;
+    Ok(resp.count() > 0)
 }
 
 /// The one error a refused registration logs, and what the host reads back.
