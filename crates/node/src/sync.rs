@@ -39,7 +39,7 @@ pub(crate) enum SyncMsg {
         certified: HashSet<IncarnationId>,
         revision: i64,
     },
-    Live(LiveKv),
+    Live(Box<LiveKv>),
     /// A live key was deleted; `lease` is the deleted value's lease when etcd said.
     LiveGone {
         group: GroupId,
@@ -225,7 +225,7 @@ async fn watch(
             revision = revision.max(kv.mod_revision());
             let out = match ev.event_type() {
                 EventType::Put => live_kv(keys, kv.key(), kv.value(), kv.lease(), kv.mod_revision())
-                    .map(SyncMsg::Live)
+                    .map(|l| SyncMsg::Live(Box::new(l)))
                     .or_else(|| down_id(keys, kv.key()).map(SyncMsg::Certified)),
                 EventType::Delete => match keys.parse(kv.key()) {
                     Some(KeyKind::Live { group, rank }) => Some(SyncMsg::LiveGone {
