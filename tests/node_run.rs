@@ -350,3 +350,70 @@ async fn rank_under_a_launcher_keeps_its_own_incarnation() -> anyhow::Result<()>
     assert_eq!(tail.last().map(String::as_str), Some("launcher: rank died"), "{c}");
     Ok(())
 }
+
+/// Create-if-absent does not shut out a rank whose supervisor registered for it first: the
+/// supervisor's registration (`agent: rootrank-run/...`) names the rank's launcher, an
+/// ancestor of the rank, so the rank's own agent takes the live key over, and the supervisor
+/// hands liveness to it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_agent_takes_the_live_key_over_from_its_supervisor() -> anyhow::Result<()> {
+    let etcd = Etcd::start()?;
+    let ep = etcd.endpoint();
+    // The supervisor registers at once (no grace); the rank starts half a second later.
+    let script = format!("sleep 0.5; {BIN} rank --lease-ttl-ms 30000; exit 7");
+    let mut sup = run_cmd(
+        &ep,
+        "prefill-6",
+        0,
+        1,
+        &["--agent-grace-ms", "0", "--lease-ttl-ms", "30000"],
+        &["sh", "-c", &script],
+    )
+    .stdin(Stdio::piped())
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()?;
+    let stderr = sup.stderr.take().ok_or_else(|| anyhow::anyhow!("no stderr"))?;
+    let (seen_tx, seen_rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            if line.contains("registered on the rank process's behalf")
+                || line.contains("handing liveness over")
+                || line.contains("Two processes claim")
+            {
+                let _ = seen_tx.send(line);
+            }
+        }
+    });
+    let first = seen_rx.recv_timeout(Duration::from_secs(20))?;
+    assert!(first.contains("on the rank process's behalf"), "{first}");
+    let mut line = String::new();
+    BufReader::new(sup.stdout.take().ok_or_else(|| anyhow::anyhow!("no stdout"))?).read_line(&mut line)?;
+    let field = |name: &str| {
+        line.split_whitespace()
+            .find_map(|w| w.strip_prefix(name))
+            .map(str::to_string)
+            .ok_or_else(|| anyhow::anyhow!("the rank did not register: {line:?}"))
+    };
+    let incarnation = field("incarnation=")?;
+    let rank_pid: u32 = field("pid=")?.parse()?;
+    let handed = seen_rx.recv_timeout(Duration::from_secs(20))?;
+    assert!(handed.contains("handing liveness over"), "{handed}");
+    let live = list(&ep, &node::live_key("prefill-6", 0)).await?;
+    assert_eq!(live.len(), 1);
+    assert_eq!(live[0].value["pid"], rank_pid, "the rank's own record: {:?}", live[0]);
+    assert!(
+        live[0].value["agent"]
+            .as_str()
+            .is_some_and(|a| a.starts_with("rootrank-agent/")),
+        "{:?}",
+        live[0]
+    );
+
+    try_signal(rank_pid, libc::SIGKILL)?;
+    assert_eq!(sup.wait()?.code(), Some(7));
+    let cert = wait_certificate(&ep, "prefill-6", 0, &incarnation).await?;
+    assert_eq!(cert.value["source"], "supervisor", "{cert:?}");
+    assert_eq!(cert.value["pid"], rank_pid, "{cert:?}");
+    Ok(())
+}

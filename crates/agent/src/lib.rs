@@ -13,6 +13,7 @@
 //!   is written, so an etcd restart loses nothing that fit in the queue.
 
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
+pub mod procfs;
 pub mod script;
 mod worker;
 
@@ -62,7 +63,18 @@ pub struct AgentConfig {
     /// [`rootrank_store::MAX_BATCH_RECORDS`]; 1 writes one record per request). Records are
     /// batched only when more than one waits, so a lone record is never delayed.
     pub max_batch: usize,
+    /// The rank process's pid, as that process sees it (in its own pid namespace).
     pub pid: u32,
+    /// The inode of `pid`'s pid namespace and its start time (SPEC section 4), so node-watch
+    /// and the supervisor can map `pid` to their namespace and check it is the same process.
+    /// [`AgentConfig::new`] reads them for this process; whoever sets `pid` to another
+    /// process sets these for it too.
+    pub pid_ns: Option<u64>,
+    pub start_ticks: Option<u64>,
+    /// Registers for another process (`rootrank run` for its child, whose pid is `pid`): the
+    /// live record says so in `agent`, and that process's own agent, when it registers,
+    /// takes the live key over instead of being refused as a second claimant.
+    pub on_behalf: bool,
     pub host: Option<String>,
     pub nixl_agent: Option<String>,
     pub gpu: Option<String>,
@@ -92,6 +104,9 @@ impl AgentConfig {
             queue_capacity: 10_000,
             max_batch: rootrank_store::MAX_BATCH_RECORDS,
             pid: std::process::id(),
+            pid_ns: procfs::pid_ns(None),
+            start_ticks: procfs::start_ticks(None),
+            on_behalf: false,
             host: read_trimmed("/proc/sys/kernel/hostname"),
             nixl_agent: None,
             gpu: None,
@@ -185,10 +200,32 @@ pub(crate) struct Shared {
     pub stats: AgentStats,
     pub incarnation: AtomicI64,
     pub registered: (Mutex<bool>, Condvar),
+    /// Why the live key could not be created (another incarnation holds it), while that
+    /// lasts; `None` once registered.
+    pub refused: Mutex<Option<String>>,
 }
 
 impl Shared {
+    pub(crate) fn set_refused(&self, why: Option<String>) {
+        let refused = why.is_some();
+        if let Ok(mut r) = self.refused.lock() {
+            *r = why;
+        }
+        if refused {
+            // A host waiting for the registration learns at once that it will not come soon.
+            let (lock, cv) = &self.registered;
+            if let Ok(_g) = lock.lock() {
+                cv.notify_all();
+            }
+        }
+    }
+
+    pub(crate) fn is_refused(&self) -> bool {
+        self.refused.lock().is_ok_and(|r| r.is_some())
+    }
+
     pub(crate) fn set_incarnation(&self, lease: i64) {
+        self.set_refused(None);
         self.incarnation.store(lease, Ordering::SeqCst);
         self.stats.registrations.fetch_add(1, Ordering::Relaxed);
         let (lock, cv) = &self.registered;
@@ -308,11 +345,21 @@ impl Agent {
         Incarnation::new(self.shared.incarnation.load(Ordering::SeqCst)).ok()
     }
 
-    /// Waits up to `timeout` for the first registration.
+    /// Why this rank is not registered, while another incarnation holds its live key (two
+    /// processes claim one (group, rank)): the agent keeps retrying quietly and registers
+    /// once the holder is gone. `None` otherwise.
+    pub fn registration_refused(&self) -> Option<String> {
+        self.shared.refused.lock().ok().and_then(|r| r.clone())
+    }
+
+    /// Waits up to `timeout` for the first registration; returns `None` early when the
+    /// registration is refused (see [`Agent::registration_refused`]).
     pub fn wait_registered(&self, timeout: Duration) -> Option<Incarnation> {
         let (lock, cv) = &self.shared.registered;
         let guard = lock.lock().ok()?;
-        let _unused = cv.wait_timeout_while(guard, timeout, |r| !*r).ok()?;
+        let _unused = cv
+            .wait_timeout_while(guard, timeout, |r| !*r && !self.shared.is_refused())
+            .ok()?;
         self.incarnation()
     }
 

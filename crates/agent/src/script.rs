@@ -23,9 +23,12 @@ pub const HELP: &str =
 
 /// Waits for the agent to register (up to 30 s), announces it, then answers commands from
 /// `input` until `exit` or its end, and shuts the agent down. An agent that never registers
-/// is an error (etcd unreachable).
+/// is an error (etcd unreachable, or another process holds this rank's live key).
 pub fn drive(agent: &Agent, input: impl BufRead, mut out: impl Write) -> std::io::Result<()> {
     let Some(inc) = agent.wait_registered(Duration::from_secs(30)) else {
+        if let Some(why) = agent.registration_refused() {
+            return Err(std::io::Error::other(why));
+        }
         return Err(std::io::Error::other(
             "the agent did not register within 30 s: is etcd reachable?",
         ));

@@ -12,9 +12,19 @@ use rootrank_core::{time, Incarnation, Keys, Reason};
 use rootrank_store::etcd_client::{Client, PutOptions};
 use rootrank_store::{Backoff, LazyClient, Retained, RetainedWriter, Written};
 use tokio::sync::{mpsc, watch};
-use tracing::{debug, info, info_span, warn, Instrument};
+use tracing::{debug, error, info, info_span, warn, Instrument};
 
-use crate::{AgentConfig, Command, Shared, AGENT_VERSION};
+use crate::{procfs, AgentConfig, Command, Shared, AGENT_VERSION};
+
+/// `RankLive.agent` of a record written by a supervisor for its child (`on_behalf`).
+const ON_BEHALF_VERSION: &str = concat!("rootrank-run/", env!("CARGO_PKG_VERSION"));
+
+/// How often a refused registration is tried again: the holder may die (then this rank
+/// registers), and a configuration error is not fixed faster by asking etcd more often.
+const REFUSED_RETRY: Duration = Duration::from_secs(3);
+
+/// How far up the process tree a supervisor that registered on a rank's behalf may be.
+const MAX_ANCESTRY: usize = 8;
 
 type Attachments = Arc<Mutex<BTreeMap<String, Vec<u8>>>>;
 
@@ -84,12 +94,16 @@ fn live_record(config: &AgentConfig, started_at: &str) -> Result<Vec<u8>, serde_
         boot_id: crate::read_trimmed("/proc/sys/kernel/random/boot_id"),
         started_at: Some(started_at.to_string()),
         lease_ttl_ms: Some((lease_ttl_secs(config) * 1000) as u64),
-        agent: Some(AGENT_VERSION.to_string()),
+        agent: Some(if config.on_behalf {
+            ON_BEHALF_VERSION.to_string()
+        } else {
+            AGENT_VERSION.to_string()
+        }),
         nixl_agent: config.nixl_agent.clone(),
         gpu: config.gpu.clone(),
         endpoints: config.advertised.clone(),
-        pid_ns: None,
-        start_ticks: None,
+        pid_ns: config.pid_ns,
+        start_ticks: config.start_ticks,
     };
     serde_json::to_vec(&rec)
 }
@@ -118,6 +132,8 @@ async fn liveness(
         }
     };
     let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
+    // The lease of the incarnation that refused us last, to say a refusal once per holder.
+    let mut refused_by: Option<i64> = None;
     'register: loop {
         if *stop.borrow() {
             return;
@@ -132,17 +148,39 @@ async fn liveness(
             }
         };
         let opts = PutOptions::new().with_lease(lease);
-        match client
-            .put(live_key.clone(), live_value.clone(), Some(opts.clone()))
-            .await
-        {
-            Ok(r) => registered_revision.store(r.header().map_or(0, |h| h.revision()), Ordering::SeqCst),
+        // Create-if-absent (SPEC section 4): another incarnation's live key is never
+        // overwritten, except a supervisor's registration for this very process.
+        let created = match register(&mut client, &config, &live_key, live_value.clone(), lease).await {
+            Ok(c) => c,
             Err(e) => {
                 warn!(error = %e, "agent could not write its live key; retrying");
+                revoke_quietly(&mut client, lease).await;
                 tokio::select! { _ = tokio::time::sleep(backoff.next_pause()) => {}, _ = stop.changed() => return }
                 continue;
             }
+        };
+        match created {
+            Registration::Created(revision) => registered_revision.store(revision, Ordering::SeqCst),
+            Registration::Refused(holder) => {
+                revoke_quietly(&mut client, lease).await;
+                let why = refusal(&config, holder.as_deref());
+                // Said once per holder: retrying quietly is the point.
+                if refused_by != Some(holder.as_ref().map_or(0, |h| h.lease)) {
+                    refused_by = Some(holder.as_ref().map_or(0, |h| h.lease));
+                    if holder.as_ref().is_some_and(|h| h.names_our_process) {
+                        // A supervisor asked to register for a process whose own agent did
+                        // first: that registration is the rank's, nothing is wrong.
+                        info!("{why}");
+                    } else {
+                        error!("{why}");
+                    }
+                }
+                shared.set_refused(Some(why));
+                tokio::select! { _ = tokio::time::sleep(REFUSED_RETRY) => {}, _ = stop.changed() => return }
+                continue;
+            }
         }
+        refused_by = None;
         let attached: Vec<(String, Vec<u8>)> = attachments
             .lock()
             .map(|a| a.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
@@ -198,6 +236,198 @@ async fn liveness(
                 tokio::select! { _ = tokio::time::sleep(interval) => {}, _ = stop.changed() => return }
             }
         }
+    }
+}
+
+/// The live key's holder, when it is not us.
+struct Holder {
+    lease: i64,
+    record: Option<RankLive>,
+    /// The holder's record names the process we register for (`on_behalf` only).
+    names_our_process: bool,
+}
+
+enum Registration {
+    Created(i64),
+    Refused(Option<Box<Holder>>),
+}
+
+/// Creates the live key on `lease` if absent. A key held by a `rootrank run` supervisor on
+/// behalf of this process (or of an ancestor of it: a launcher between supervisor and rank)
+/// is taken over: this process's own agent knows more than its supervisor.
+async fn register(
+    client: &mut Client,
+    config: &AgentConfig,
+    key: &str,
+    value: Vec<u8>,
+    lease: i64,
+) -> Result<Registration, rootrank_store::etcd_client::Error> {
+    let kv = match rootrank_store::create_or_read(client, key, value.clone(), Some(lease)).await? {
+        rootrank_store::Created::Yes { revision } => return Ok(Registration::Created(revision)),
+        rootrank_store::Created::Held(None) => return Ok(Registration::Refused(None)),
+        rootrank_store::Created::Held(Some(kv)) => kv,
+    };
+    let record = RankLive::parse(kv.value()).ok();
+    // Whom the key may be taken from: nobody alive claims it as its own.
+    let take_over = match &record {
+        Some(r) if !config.on_behalf && registered_for_us(config, r) => {
+            Some("the live key was registered for this process by its supervisor; taking it over")
+        }
+        Some(r) if process_gone(config, r) => {
+            Some("the live key's holder was a process of this host that is gone (a restart before its lease ran out); taking it over")
+        }
+        _ if certified_dead(client, config, kv.lease()).await? => {
+            Some("the live key's holder is certified dead (its lease has not run out yet); taking it over")
+        }
+        _ => None,
+    };
+    if let Some(why) = take_over {
+        info!(holder = kv.lease(), "{why}");
+        if let Some(revision) =
+            rootrank_store::put_if_unchanged(client, key, kv.mod_revision(), value, Some(lease)).await?
+        {
+            return Ok(Registration::Created(revision));
+        }
+    }
+    let names_our_process = config.on_behalf && record.as_ref().is_some_and(|r| names_process_or_child(config, r));
+    Ok(Registration::Refused(Some(Box::new(Holder {
+        lease: kv.lease(),
+        record,
+        names_our_process,
+    }))))
+}
+
+/// Whether `holder` is a supervisor's registration (`on_behalf`) for this process or one of
+/// its ancestors: same host, boot and pid namespace, and the named process is us or above
+/// us with the start time the record says (a pid alone could name a later process).
+fn registered_for_us(config: &AgentConfig, holder: &RankLive) -> bool {
+    let ours = |h: &Option<String>, c: &Option<String>| h.is_some() && h == c;
+    if !holder.agent.as_deref().is_some_and(|a| a.starts_with("rootrank-run/"))
+        || !ours(&holder.host, &config.host)
+        || !ours(&holder.boot_id, &crate::read_trimmed("/proc/sys/kernel/random/boot_id"))
+        || holder.pid_ns.is_none()
+        || holder.pid_ns != config.pid_ns
+        || holder.start_ticks.is_none()
+    {
+        return false;
+    }
+    let Some(target) = holder.pid else {
+        return false;
+    };
+    let mut p = config.pid;
+    for _ in 0..=MAX_ANCESTRY {
+        if p == target {
+            let same_start = if p == config.pid {
+                config.start_ticks
+            } else {
+                procfs::start_ticks(Some(p))
+            };
+            return same_start == holder.start_ticks;
+        }
+        match procfs::parent_of(p) {
+            Some(pp) if pp > 1 && pp != p => p = pp,
+            _ => return false,
+        }
+    }
+    false
+}
+
+/// Whether `holder` names the process we register for (`on_behalf`), or a descendant of it
+/// (a rank under a launcher): the rank's own agent registered first.
+fn names_process_or_child(config: &AgentConfig, holder: &RankLive) -> bool {
+    if holder.pid == Some(config.pid) && holder.start_ticks == config.start_ticks {
+        return true;
+    }
+    let Some(mut p) = holder
+        .pid
+        .filter(|_| holder.pid_ns.is_some() && holder.pid_ns == procfs::pid_ns(None))
+    else {
+        return false;
+    };
+    for _ in 0..MAX_ANCESTRY {
+        match procfs::parent_of(p) {
+            Some(pp) if pp == config.pid => return true,
+            Some(pp) if pp > 1 && pp != p => p = pp,
+            _ => return false,
+        }
+    }
+    false
+}
+
+/// Whether `holder` names a process of this host, boot and pid namespace that no longer
+/// runs (no process at its pid, or a younger one): a rank restarted before its previous
+/// incarnation's lease ran out.
+fn process_gone(config: &AgentConfig, holder: &RankLive) -> bool {
+    let ours = |h: &Option<String>, c: &Option<String>| h.is_some() && h == c;
+    let (Some(pid), Some(started)) = (holder.pid, holder.start_ticks) else {
+        return false;
+    };
+    // Our /proc must show our own namespace (a container may see the host's), or a pid of
+    // the holder's namespace would be read as another process.
+    let own_proc = procfs::start_ticks(Some(std::process::id()));
+    if !ours(&holder.host, &config.host)
+        || !ours(&holder.boot_id, &crate::read_trimmed("/proc/sys/kernel/random/boot_id"))
+        || holder.pid_ns.is_none()
+        || holder.pid_ns != procfs::pid_ns(None)
+        || own_proc.is_none()
+        || own_proc != procfs::start_ticks(None)
+    {
+        return false;
+    }
+    procfs::start_ticks(Some(pid)) != Some(started)
+}
+
+/// Whether the holder's incarnation already has a down certificate (node-watch or a
+/// supervisor saw it die): its live key only waits for its lease to run out.
+async fn certified_dead(
+    client: &mut Client,
+    config: &AgentConfig,
+    holder_lease: i64,
+) -> Result<bool, rootrank_store::etcd_client::Error> {
+    let Ok(incarnation) = Incarnation::new(holder_lease) else {
+        return Ok(false);
+    };
+    let key = Keys::new(&config.prefix).down(&config.group, config.rank, incarnation);
+    let resp = client
+        .get(
+            key,
+            Some(rootrank_store::etcd_client::GetOptions::new().with_count_only()),
+        )
+        .await?;
+    Ok(resp.count() > 0)
+}
+
+/// The one error a refused registration logs, and what the host reads back.
+fn refusal(config: &AgentConfig, holder: Option<&Holder>) -> String {
+    let (group, rank) = (&config.group, config.rank);
+    let held_by = match holder {
+        Some(h) => {
+            let r = h.record.as_ref();
+            format!(
+                "incarnation {} (pid {} on host {})",
+                h.lease,
+                r.and_then(|r| r.pid).map_or("?".to_string(), |p| p.to_string()),
+                r.and_then(|r| r.host.clone()).unwrap_or_else(|| "?".to_string()),
+            )
+        }
+        None => "another incarnation".to_string(),
+    };
+    if holder.is_some_and(|h| h.names_our_process) {
+        return format!(
+            "rank {rank} of group {group} is already registered by the process itself ({held_by}); not registering on its behalf"
+        );
+    }
+    format!(
+        "rank {rank} of group {group} is not registered: its live key is held by {held_by}. \
+         Two processes claim rank {rank} of group {group}: check ROOTRANK_INSTANCE / the group naming. \
+         Retrying every {}s in case the holder is gone",
+        REFUSED_RETRY.as_secs()
+    )
+}
+
+async fn revoke_quietly(client: &mut Client, lease: i64) {
+    if let Err(e) = client.lease_revoke(lease).await {
+        debug!(error = %e, lease, "could not revoke an unused liveness lease; it will expire");
     }
 }
 
@@ -303,7 +533,11 @@ async fn publisher(
                 let _ = done.send(());
             }
             Command::Shutdown { clean, done } => {
-                if clean {
+                let never_registered = shared.incarnation.load(Ordering::SeqCst) <= 0 && shared.is_refused();
+                if clean && never_registered {
+                    // No incarnation of ours to certify: the live key is someone else's.
+                    info!("rank shut down before its registration was accepted");
+                } else if clean {
                     let reason = Reason::well_known(rootrank_core::ids::reasons::SHUTDOWN);
                     let down = certify(
                         reason,

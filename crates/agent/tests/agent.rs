@@ -139,3 +139,89 @@ fn a_host_that_saturates_every_core_does_not_starve_the_keepalive() {
     assert_eq!(live.first().map(|kv| kv.lease()), Some(first.lease_id()));
     assert!(agent.shutdown(Duration::from_secs(10)));
 }
+
+fn live_kv(etcd: &Etcd, key: &str) -> Option<rootrank_store::etcd_client::KeyValue> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let mut c = Client::connect([etcd.endpoint()], None).await.unwrap();
+        c.get(key, None).await.unwrap().kvs().first().cloned()
+    })
+}
+
+/// SPEC section 4: a live key is created only if absent. A second process claiming a
+/// (group, rank) another incarnation holds is refused with a clear error, the holder's record
+/// stays as it was, and the second registers once the holder is gone.
+#[test]
+fn a_second_claim_on_a_live_rank_is_refused_until_the_holder_is_gone() {
+    let etcd = Etcd::start().unwrap();
+    let key = "/rootrank/v1/groups/prefill-0/ranks/3/live";
+    let first = Agent::start(AgentConfig::new(vec![etcd.endpoint()], "prefill-0", 3, 4).unwrap()).unwrap();
+    let held = first.wait_registered(Duration::from_secs(10)).unwrap();
+    let before = live_kv(&etcd, key).unwrap();
+    assert_eq!(before.lease(), held.lease_id());
+    let record: serde_json::Value = serde_json::from_slice(before.value()).unwrap();
+    assert_eq!(record["pid"], std::process::id());
+    assert!(record["pid_ns"].as_u64().is_some(), "{record}");
+    assert!(record["start_ticks"].as_u64().is_some(), "{record}");
+
+    let second = Agent::start(AgentConfig::new(vec![etcd.endpoint()], "prefill-0", 3, 4).unwrap()).unwrap();
+    // Refused: wait_registered gives up as soon as the refusal is known.
+    assert_eq!(second.wait_registered(Duration::from_secs(20)), None);
+    let why = second.registration_refused().expect("a refusal message");
+    assert!(why.contains("rank 3 of group prefill-0"), "{why}");
+    assert!(why.contains(&held.to_string()), "names the holder's incarnation: {why}");
+    assert!(why.contains("ROOTRANK_INSTANCE"), "says what to check: {why}");
+    assert_eq!(second.incarnation(), None);
+    assert_eq!(first.registration_refused(), None);
+    let after = live_kv(&etcd, key).unwrap();
+    assert_eq!(
+        (after.lease(), after.mod_revision(), after.value()),
+        (before.lease(), before.mod_revision(), before.value()),
+        "the holder's live record is untouched"
+    );
+
+    // The holder leaves: the second registers on its next quiet retry.
+    assert!(first.shutdown(Duration::from_secs(10)));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while second.incarnation().is_none() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let took = second.incarnation().expect("registered once the holder was gone");
+    assert_ne!(took, held);
+    assert_eq!(second.registration_refused(), None);
+    assert_eq!(live_kv(&etcd, key).unwrap().lease(), took.lease_id());
+    assert!(second.shutdown(Duration::from_secs(10)));
+}
+
+/// Create-if-absent does not stand in the way of the rank's own comeback: when its lease is
+/// lost (here revoked from outside, as an etcd that saw no keepalive for a TTL would expire
+/// it), the live key goes with it and the agent registers a new incarnation.
+#[test]
+fn a_rank_whose_lease_was_lost_registers_again() {
+    let etcd = Etcd::start().unwrap();
+    let key = "/rootrank/v1/groups/decode-0/ranks/0/live";
+    let mut cfg = AgentConfig::new(vec![etcd.endpoint()], "decode-0", 0, 1).unwrap();
+    cfg.lease_ttl = Duration::from_secs(1);
+    let agent = Agent::start(cfg).unwrap();
+    let first = agent.wait_registered(Duration::from_secs(10)).unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let mut c = Client::connect([etcd.endpoint()], None).await.unwrap();
+        c.lease_revoke(first.lease_id()).await.unwrap();
+    });
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while agent.incarnation() == Some(first) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let second = agent.incarnation().unwrap();
+    assert_ne!(second, first, "a new incarnation");
+    assert_eq!(agent.registration_refused(), None);
+    assert_eq!(live_kv(&etcd, key).unwrap().lease(), second.lease_id());
+    assert!(agent.shutdown(Duration::from_secs(10)));
+}

@@ -17,6 +17,7 @@
 
 mod certs;
 mod host;
+mod pidns;
 pub mod supervise;
 mod sync;
 pub mod watch;

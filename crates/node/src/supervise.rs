@@ -25,6 +25,7 @@ use tokio::signal::unix::{signal, SignalKind};
 use tracing::{debug, info, info_span, warn, Instrument};
 
 use crate::certs::{CertWriter, Etcd, Written};
+use crate::pidns::Located;
 use crate::NodeError;
 
 /// How `rootrank run` runs.
@@ -110,6 +111,11 @@ struct Discovery {
     known: Option<Known>,
     /// Our agent, when we registered on the child's behalf.
     agent: Option<Agent>,
+    /// Incarnations whose live record names a process we cannot verify (said once each).
+    unverified: std::collections::HashSet<i64>,
+    /// `rootrank_unverified_pids_total` (SPEC section 8): the supervisor serves no metrics,
+    /// so the count is carried in its log lines.
+    unverified_total: u64,
 }
 
 type Shared = Arc<Mutex<Discovery>>;
@@ -319,26 +325,85 @@ async fn pass_stderr(mut from: tokio::process::ChildStderr, tail: Arc<Mutex<LogT
     }
 }
 
-/// The live record at the rank's key, if it names `child` or one of its descendants.
-async fn lookup(etcd: &mut Etcd, key: &str, child: u32) -> Option<Known> {
-    let client = etcd.client().await.ok()?;
-    let resp = tokio::time::timeout(Duration::from_secs(1), client.get(key, None))
-        .await
-        .ok()?
-        .ok()?;
-    let kv = resp.kvs().first()?;
-    let live = RankLive::parse(kv.value()).ok()?;
-    let pid = live.pid?;
+/// What the live record at the rank's key says about `child`.
+enum Lookup {
+    /// It names `child` or one of its descendants (mapped to our pid namespace).
+    Found(Known),
+    /// No record, etcd unreachable, or another process's record (an earlier incarnation's).
+    NotOurs,
+    /// Its process cannot be verified from here (SPEC section 4): never taken as the child's.
+    Unverified { lease: i64, why: String },
+}
+
+/// The live record at the rank's key, if it names `child` or one of its descendants. The
+/// record's pid is the rank's own (a container's): it is mapped to our namespace and checked
+/// by its start time first.
+async fn lookup(etcd: &mut Etcd, key: &str, child: u32) -> Lookup {
+    let Some(kv) = read_live(etcd, key).await else {
+        return Lookup::NotOurs;
+    };
+    let Ok(live) = RankLive::parse(kv.value()) else {
+        return Lookup::NotOurs;
+    };
+    let Some(record_pid) = live.pid else {
+        return Lookup::NotOurs;
+    };
+    let pid = match crate::pidns::locate(record_pid, live.pid_ns, live.start_ticks) {
+        Located::Here { pid, start_ticks } => {
+            // A younger process at that pid is not the one that registered. (A pid with no
+            // process left is still matched: it may be our child, just reaped.)
+            let now = rootrank_agent::procfs::start_ticks(Some(pid));
+            if start_ticks.is_some() && now.is_some() && now != start_ticks {
+                return Lookup::NotOurs;
+            }
+            pid
+        }
+        Located::Mapped { pid, .. } => pid,
+        Located::Unverified(why) => return Lookup::Unverified { lease: kv.lease(), why },
+    };
     if !crate::host::is_self_or_descendant(pid, child) {
-        return None; // an earlier incarnation's record, or a stranger's
+        return Lookup::NotOurs; // an earlier incarnation's record, or a stranger's
     }
-    Some(Known {
-        incarnation: Incarnation::new(kv.lease()).ok()?,
+    let Ok(incarnation) = Incarnation::new(kv.lease()) else {
+        return Lookup::NotOurs;
+    };
+    Lookup::Found(Known {
+        incarnation,
         pid,
         registered_revision: kv.mod_revision(),
         gpu: live.gpu,
         host: live.host,
     })
+}
+
+async fn read_live(etcd: &mut Etcd, key: &str) -> Option<rootrank_store::etcd_client::KeyValue> {
+    let client = etcd.client().await.ok()?;
+    let resp = tokio::time::timeout(Duration::from_secs(1), client.get(key, None))
+        .await
+        .ok()?
+        .ok()?;
+    resp.kvs().first().cloned()
+}
+
+/// [`lookup`], saying once per incarnation (and counting, `rootrank_unverified_pids_total`)
+/// a record whose process cannot be verified.
+async fn lookup_noting(etcd: &mut Etcd, key: &str, child: u32, shared: &Shared) -> Option<Known> {
+    match lookup(etcd, key, child).await {
+        Lookup::Found(k) => Some(k),
+        Lookup::NotOurs => None,
+        Lookup::Unverified { lease, why } => {
+            let mut d = lock(shared);
+            if d.unverified.insert(lease) {
+                d.unverified_total += 1;
+                warn!(
+                    incarnation = lease,
+                    rootrank_unverified_pids_total = d.unverified_total,
+                    "cannot verify the process of the rank's live record; not taking it for the child: {why}"
+                );
+            }
+            None
+        }
+    }
 }
 
 /// Waits `agent_grace` for the child's own agent to register; registers for it otherwise,
@@ -348,7 +413,7 @@ async fn discover(config: SuperviseConfig, pid: u32, shared: Shared) {
     let mut etcd = Etcd::new(config.endpoints.clone());
     let deadline = rootrank_store::deadline_after(config.agent_grace);
     loop {
-        if let Some(k) = lookup(&mut etcd, &key, pid).await {
+        if let Some(k) = lookup_noting(&mut etcd, &key, pid, &shared).await {
             info!(incarnation = %k.incarnation, rank_pid = k.pid, "the rank process registered itself");
             lock(&shared).known = Some(k);
             return;
@@ -372,7 +437,7 @@ async fn discover(config: SuperviseConfig, pid: u32, shared: Shared) {
     // replaced incarnation is never taken for a death).
     loop {
         tokio::time::sleep(Duration::from_millis(200)).await;
-        let Some(k) = lookup(&mut etcd, &key, pid).await else {
+        let Some(k) = lookup_noting(&mut etcd, &key, pid, &shared).await else {
             continue;
         };
         if k.incarnation == our_incarnation {
@@ -414,7 +479,12 @@ async fn register_for_child(
                 c.prefix = config.prefix.clone();
                 c.lease_ttl = config.lease_ttl;
                 c.retention = config.retention;
+                // The child as this supervisor sees it: its pid, namespace and start time,
+                // so node-watch can verify it, and the child's own agent takes over.
                 c.pid = pid;
+                c.pid_ns = rootrank_agent::procfs::pid_ns(Some(pid));
+                c.start_ticks = rootrank_agent::procfs::start_ticks(Some(pid));
+                c.on_behalf = true;
                 c
             })
             .and_then(Agent::start);
@@ -428,8 +498,26 @@ async fn register_for_child(
         }
     }
     let incarnation = loop {
-        if let Some(i) = lock(shared).agent.as_ref().and_then(Agent::incarnation) {
+        let (registered, refused) = {
+            let d = lock(shared);
+            let a = d.agent.as_ref();
+            (
+                a.and_then(Agent::incarnation),
+                a.is_some_and(|a| a.registration_refused().is_some()),
+            )
+        };
+        if let Some(i) = registered {
             break i;
+        }
+        if refused {
+            // The key is held: by the rank's own agent (it registered after our grace, as
+            // we started ours), or by a stranger, which our agent reported.
+            if let Some(k) = lookup_noting(etcd, key, pid, shared).await {
+                info!(incarnation = %k.incarnation, "the rank process registered itself first; not registering on its behalf");
+                drop_agent(shared, true).await;
+                return Some(k);
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
         }
         if limit.is_some_and(|l| Instant::now() >= l) {
             return None;
@@ -438,7 +526,10 @@ async fn register_for_child(
     };
     info!(%incarnation, "registered on the rank process's behalf");
     // The registration revision, for the verdict's "re-registered before" rule.
-    let found = lookup(etcd, key, pid).await.filter(|k| k.incarnation == incarnation);
+    let found = match lookup(etcd, key, pid).await {
+        Lookup::Found(k) if k.incarnation == incarnation => Some(k),
+        _ => None,
+    };
     Some(Known {
         incarnation,
         pid,
@@ -458,7 +549,8 @@ async fn resolve_incarnation(config: &SuperviseConfig, pid: u32, shared: &Shared
         let d = lock(shared);
         (d.known.clone(), d.agent.is_some())
     };
-    if let Some(now) = lookup(&mut etcd, &key, pid).await {
+    // Unverified now is no news: the rank may have taken its pid namespace along.
+    if let Lookup::Found(now) = lookup(&mut etcd, &key, pid).await {
         return Some(now);
     }
     if before.is_some() {

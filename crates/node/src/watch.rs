@@ -20,6 +20,7 @@ use tracing::{debug, info, info_span, warn, Instrument};
 
 use crate::certs::{CertWriter, Written};
 use crate::host::{self, HostIdentity};
+use crate::pidns::{self, Located};
 use crate::sync::{self, IncarnationId, LiveKv, SyncMsg};
 use crate::NodeError;
 
@@ -124,6 +125,8 @@ pub async fn run(config: NodeWatchConfig, shutdown: impl Future<Output = ()>) ->
         loaded: false,
         report_tx,
         warned_no_pid: HashSet::new(),
+        unverified: HashSet::new(),
+        unverified_total: 0,
     };
 
     tokio::pin!(shutdown);
@@ -137,7 +140,10 @@ pub async fn run(config: NodeWatchConfig, shutdown: impl Future<Output = ()>) ->
             () = &mut shutdown => break,
         }
     }
-    info!("node watchdog stopping");
+    info!(
+        rootrank_unverified_pids_total = state.unverified_total,
+        "node watchdog stopping"
+    );
     sync_task.abort();
     writer.abort();
     Ok(())
@@ -156,6 +162,11 @@ struct State {
     loaded: bool,
     report_tx: mpsc::UnboundedSender<Report>,
     warned_no_pid: HashSet<WatchKey>,
+    /// Incarnations whose process could not be verified (said and counted once each).
+    unverified: HashSet<IncarnationId>,
+    /// `rootrank_unverified_pids_total` (SPEC section 8): node-watch serves no metrics, so
+    /// the count is carried in its log lines.
+    unverified_total: u64,
 }
 
 impl State {
@@ -193,6 +204,7 @@ impl State {
                 for k in stale {
                     self.unwatch(&k);
                 }
+                self.unverified.retain(|u| present.contains(u));
                 debug!(revision, "snapshot applied");
                 for l in lives {
                     self.consider(l, at_start);
@@ -200,6 +212,9 @@ impl State {
             }
             SyncMsg::Live(l) => self.consider(*l, false),
             SyncMsg::LiveGone { group, rank, lease } => {
+                // Forgotten with its live key (bounded memory).
+                self.unverified
+                    .retain(|u| !(u.0 == group && u.1 == rank && lease.is_none_or(|l| l == u.2.lease_id())));
                 let key = (group, rank);
                 let same = self
                     .watched
@@ -246,11 +261,34 @@ impl State {
             self.unwatch(&key);
             return;
         }
-        let Some(pid) = l.record.pid else {
+        let Some(record_pid) = l.record.pid else {
             if self.warned_no_pid.insert(key.clone()) {
                 warn!(group = %l.group, rank = l.rank, "live record has no pid; cannot watch this rank");
             }
             return;
+        };
+        // The record's pid is the rank's own (a container's); act only on the process it maps
+        // to here, verified by its start time.
+        let (pid, start_ticks) = match pidns::locate(record_pid, l.record.pid_ns, l.record.start_ticks) {
+            Located::Here { pid, start_ticks } => (pid, start_ticks),
+            Located::Mapped { pid, start_ticks } => (pid, Some(start_ticks)),
+            Located::Unverified(why) => {
+                // Neither watched nor certified: if the rank is really gone, its lease runs
+                // out and the coordinator persists that death.
+                self.unwatch(&key);
+                if self.unverified.insert(id.clone()) {
+                    warn!(
+                        group = %l.group,
+                        rank = l.rank,
+                        pid = record_pid,
+                        incarnation = %incarnation,
+                        rootrank_unverified_pids_total = self.unverified_total + 1,
+                        "cannot verify this rank's process; not watching it: {why}"
+                    );
+                    self.unverified_total += 1;
+                }
+                return;
+            }
         };
         let w = Watched {
             id,
@@ -263,7 +301,7 @@ impl State {
         };
         // A new incarnation of the same rank replaces the watch on the old one.
         self.unwatch(&key);
-        if host::pid_reused_since(pid, l.record.started_at.as_deref()) {
+        if start_ticks.is_none() && host::pid_reused_since(pid, l.record.started_at.as_deref()) {
             warn!(group = %l.group, rank = l.rank, pid, "pid now belongs to a process that started after the rank registered; the rank is gone");
             let exit = ProcessExit {
                 key: key.clone(),
@@ -279,11 +317,18 @@ impl State {
             return;
         }
         self.watched.insert(key.clone(), w);
-        match self.watcher.add(key.clone(), pid) {
+        // With the record's start time, a pid now held by a younger process is reported as
+        // the rank gone (it is a pid of our namespace, or was just verified in the rank's).
+        let added = match start_ticks {
+            Some(t) => self.watcher.add_with_start_time(key.clone(), pid, t),
+            None => self.watcher.add(key.clone(), pid),
+        };
+        match added {
             Ok(()) => info!(
                 group = %l.group,
                 rank = l.rank,
                 pid,
+                record_pid,
                 incarnation = %incarnation,
                 "watching {}/{} pid {pid} incarnation {incarnation}",
                 l.group,

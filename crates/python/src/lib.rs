@@ -367,7 +367,8 @@ impl PyAgent {
     }
 
     /// Waits (without the GIL) up to ``timeout_s`` for the first registration; returns the
-    /// incarnation (the liveness lease id, a decimal string) or ``None``.
+    /// incarnation (the liveness lease id, a decimal string) or ``None``, at once when the
+    /// registration is refused (see ``registration_error``).
     #[pyo3(signature = (timeout_s=5.0))]
     fn wait_registered(&self, py: Python<'_>, timeout_s: f64) -> PyResult<Option<String>> {
         let agent = self.live(py)?;
@@ -390,6 +391,14 @@ impl PyAgent {
     #[getter]
     fn incarnation(&self) -> Option<String> {
         self.current().and_then(|a| a.incarnation()).map(|i| i.to_string())
+    }
+
+    /// Why this rank is not registered while another live process holds its live key (two
+    /// processes claim one group and rank: a configuration error), or ``None``. The agent
+    /// keeps retrying quietly and registers once the holder is gone.
+    #[getter]
+    fn registration_error(&self) -> Option<String> {
+        self.current().and_then(|a| a.registration_refused())
     }
 
     /// Records dropped because the queue was full (etcd unreachable for long).

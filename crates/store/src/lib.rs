@@ -3,6 +3,7 @@
 //!
 //! - [`connect`]: a client for a list of endpoints, with timeouts a dead member cannot stall.
 //! - [`create_if_absent`]: room records are written once per (room, rank); the first reason wins.
+//!   [`create_or_read`] creates a live key only if absent and names its holder when not.
 //! - [`put_certificate`]: down certificates, created once or written over a less specific
 //!   coordinator certificate (keeping the revisions it carried).
 //! - [`RetentionLeases`]: records outlive their writer by the retention window, and etcd
@@ -81,6 +82,58 @@ pub async fn create_if_absent(
         .when([Compare::create_revision(key, CompareOp::Equal, 0)])
         .and_then([TxnOp::put(key, value, opts)]);
     Ok(client.txn(txn).await?.succeeded())
+}
+
+/// What [`create_or_read`] found.
+#[derive(Debug)]
+pub enum Created {
+    /// Written, at this revision.
+    Yes { revision: i64 },
+    /// The key exists: its current value (`None` only if etcd answered without it).
+    Held(Option<etcd_client::KeyValue>),
+}
+
+/// [`create_if_absent`] that, when the key exists, reads who holds it in the same
+/// transaction (a refused live key names its holder in one round trip).
+pub async fn create_or_read(
+    client: &mut Client,
+    key: &str,
+    value: Vec<u8>,
+    lease: Option<i64>,
+) -> Result<Created, etcd_client::Error> {
+    let opts = lease.map(|l| PutOptions::new().with_lease(l));
+    let txn = Txn::new()
+        .when([Compare::create_revision(key, CompareOp::Equal, 0)])
+        .and_then([TxnOp::put(key, value, opts)])
+        .or_else([TxnOp::get(key, None)]);
+    let resp = client.txn(txn).await?;
+    if resp.succeeded() {
+        return Ok(Created::Yes {
+            revision: resp.header().map_or(0, |h| h.revision()),
+        });
+    }
+    let holder = resp.op_responses().into_iter().find_map(|r| match r {
+        etcd_client::TxnOpResponse::Get(g) => g.kvs().first().cloned(),
+        _ => None,
+    });
+    Ok(Created::Held(holder))
+}
+
+/// Writes `value` at `key` if it is still at `mod_revision` (nobody wrote it since it was
+/// read). Returns the revision written at, or `None` when the key changed.
+pub async fn put_if_unchanged(
+    client: &mut Client,
+    key: &str,
+    mod_revision: i64,
+    value: Vec<u8>,
+    lease: Option<i64>,
+) -> Result<Option<i64>, etcd_client::Error> {
+    let opts = lease.map(|l| PutOptions::new().with_lease(l));
+    let txn = Txn::new()
+        .when([Compare::mod_revision(key, CompareOp::Equal, mod_revision)])
+        .and_then([TxnOp::put(key, value, opts)]);
+    let resp = client.txn(txn).await?;
+    Ok(resp.succeeded().then(|| resp.header().map_or(0, |h| h.revision())))
 }
 
 /// The most records one batch transaction carries: etcd's default `--max-txn-ops` (128), the

@@ -48,11 +48,15 @@ class Agent:
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Wait (GIL released) until everything enqueued is in etcd."""
     def wait_registered(self, timeout_s: float = 5.0) -> str | None:
-        """Wait (GIL released) for the first registration; the incarnation or None."""
+        """Wait (GIL released) for the first registration; the incarnation or None
+        (at once when refused: see registration_error)."""
     def shutdown(self, timeout_s: float = 5.0) -> bool:
         """Clean exit: shutdown certificate, flush, revoke the lease; bounded by timeout_s."""
     @property
     def incarnation(self) -> str | None: ...
+    @property
+    def registration_error(self) -> str | None:
+        """Why the rank is not registered (another live process holds its live key), or None."""
     @property
     def dropped(self) -> int: ...
     @property
