@@ -285,3 +285,99 @@ def test_8_sigkilled_rank_is_named_not_the_survivors_that_die_in_gloo(tmp, etcd,
     assert [(f["room"], f["rank"]) for f in failures] == [(str(room), killed)], failures
     why = coordinator.why(room, group)
     assert why.returncode == 0 and f"{group} rank {killed}" in why.stdout and "victims:" in why.stdout, why.stdout
+
+
+def test_9_decode_told_by_its_prefill_names_the_prefill_rank(tmp, etcd, coordinator):
+    """Prefill TP=2 -> decode TP=2 through SGLang's own NIXL managers; prefill rank 1's
+    transfer fails. Decode rank 1 is told so by prefill rank 1's status message (SGLang's
+    apply_prefill_status) and publishes `peer_reported` naming it; decode rank 0 fails the room
+    only through its all-reduce and raises the fallback. The decode group's verdict is the
+    prefill's: prefill rank 1, at the default verdict budget."""
+    model = tmp / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(LLAMA))
+    boot, room, world, failing = free_port(), 6_917_529_027_641_081_857, 2, 1
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("ROOTRANK_")}, "HF_HUB_OFFLINE": "1",
+           "SGLANG_CACHE_DIR": str(tmp / "sgc"), "UCX_TLS": "tcp,self,sm", "ROOTRANK_LEASE_TTL_MS": "1000",
+           "ROOTRANK_ETCD_ENDPOINTS": etcd.url, "ROOTRANK_COORDINATOR": coordinator.url}
+    procs = []
+    for role in ("prefill", "decode"):
+        gloo, serving = free_port(), free_port()  # one instance: its ranks share the serving port
+        for rank in range(world):
+            cmd = [sys.executable, str(HERE / "sglang_pd.py"), role, "--rank", str(rank), "--world", str(world),
+                   "--gloo-port", str(gloo), "--bootstrap-port", str(boot), "--room", str(room), "--failing", str(failing),
+                   "--dir", str(tmp), "--model-dir", str(model), "--port", str(serving)]
+            procs.append((f"{role}{rank}", subprocess.Popen(cmd, env=env, stdout=open(tmp / f"{role}{rank}.log", "w"),
+                                                            stderr=subprocess.STDOUT)))
+    codes = {name: p.wait(300) for name, p in procs}
+    logs = {name: (tmp / f"{name}.log").read_text() for name, _ in procs}
+    assert all(c == 0 for c in codes.values()), (codes, logs)
+    out = {name: json.loads((tmp / f"{name}.json").read_text()) for name, _ in procs}
+    prefill_group, decode_group = out["prefill0"]["group"], out["decode0"]["group"]
+    ours = f"NIXL transfer encountered ERR room={room}"
+    # SGLang alone: the prefill rank and the decode rank it told raise the reason...
+    assert out["prefill1"]["raised"] == {"str": f"KVTransferError(bootstrap_room={room}): {ours}", "is_from_another_rank": False}
+    assert out["decode1"]["raised"] == {"str": f"KVTransferError(bootstrap_room={room}): {ours}", "is_from_another_rank": False}
+    # ...and with rootrank the others' generic fallbacks name prefill rank 1, on both sides.
+    # Decode rank 1's record: the prefill's failure as reported to it, naming the prefill rank.
+    (key, rec), = etcd.get_prefix(f"/rootrank/v1/groups/{decode_group}/rooms/{room}/ranks/1")
+    assert rec["origin"] == "peer_reported" and rec["peer"] == {"endpoint": f"127.0.0.1:{boot}", "rank": 1,
+                                                                "group": None, "agent": None}, rec
+    v = coordinator.verdict(room, decode_group)
+    c = v["culprit"] or {}
+    assert v["status"] == "resolved" and (c["group"], c["rank"], c["reason"]) == (prefill_group, 1, "nixl_error"), v
+    assert v["groups"] == sorted([decode_group, prefill_group]), v["groups"]
+    assert f"was told by its transfer peer, which is {prefill_group}" in v["explain"], v["explain"]
+    why = coordinator.why(room, decode_group)
+    assert why.returncode == 0 and f"culprit: {prefill_group} rank 1" in why.stdout, why.stdout
+    # At the default budget (100 ms) the records may still be on their way when a rank asks:
+    # then it raises SGLang's text with the pointer and logs the culprit once it resolves.
+    named = f"failed at {prefill_group} rank 1: nixl_error (room_record): {ours}"
+    for name in ("prefill0", "decode0"):
+        raised = out[name]["raised"]
+        assert raised["is_from_another_rank"] is True, (name, raised)
+        head = f"KVTransferError(bootstrap_room={room}): "
+        if raised["str"].startswith(head + named):  # (the prefill's record also names its decode peer's agent)
+            continue
+        group = prefill_group if name.startswith("prefill") else decode_group
+        assert raised["str"] == f"{head}{FALLBACK} (rootrank: pending, see rootrank why {room} --group {group})", (name, raised)
+        assert f"rootrank: KVTransferError(bootstrap_room={room}) was '{FALLBACK}': {named}" in logs[name], logs[name][-2000:]
+    print("decode rank 0 raised:", out["decode0"]["raised"]["str"])
+
+
+def test_10_pipeline_parallel_names_the_stage_that_failed(tmp, etcd, coordinator):
+    """PP=2 x TP=2 as SGLang builds it (tests/python/sglang_pp.py): a stage-1 rank's transfer
+    fails. PP rank 0 polls the consensus of every stage, so its poll says Failed though its
+    own status does not: rootrank publishes only a rank's own status, so the culprit is the
+    stage-1 rank and no PP-0 rank publishes a `local` record. One group spans the stages."""
+    model = tmp / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({**LLAMA, "num_hidden_layers": 2}))
+    room, failing = 7_205_759_403_792_793_601, 3  # world rank 3: pp 1, tp 1
+    dist_port, boot = free_port(), free_port()
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("ROOTRANK_")}, "HF_HUB_OFFLINE": "1",
+           "SGLANG_CACHE_DIR": str(tmp / "sgc"), "UCX_TLS": "tcp,self,sm", "ROOTRANK_LEASE_TTL_MS": "1000",
+           # pynccl looks for the CUDA NCCL of the wheel: send it down its non-GPU branch.
+           "SGLANG_NCCL_SO_PATH": "/nonexistent/libnccl.so.2",
+           "ROOTRANK_ETCD_ENDPOINTS": etcd.url, "ROOTRANK_COORDINATOR": coordinator.url}
+    procs = [subprocess.Popen([sys.executable, str(HERE / "sglang_pp.py"), "--rank", str(r), "--dist-port", str(dist_port),
+                               "--bootstrap-port", str(boot), "--room", str(room), "--failing", str(failing), "--dir", str(tmp),
+                               "--model-dir", str(model)], env=env, stdout=open(tmp / f"pp{r}.log", "w"), stderr=subprocess.STDOUT)
+             for r in range(4)]
+    codes = [p.wait(300) for p in procs]
+    assert codes == [0, 0, 0, 0], (codes, {r: (tmp / f"pp{r}.log").read_text()[-3000:] for r in range(4)})
+    out = {r: json.loads((tmp / f"pp{r}.json").read_text()) for r in range(4)}
+    groups = {o["group"] for o in out.values()}
+    assert len(groups) == 1, groups  # SGLang's PP consensus spans the stages: one group
+    group = groups.pop()
+    # rootrank's rank: pp * tp_size + tp; world rank 3 is stage 1, TP rank 1.
+    assert {r: o["group_rank"] for r, o in out.items()} == {0: 0, 1: 1, 2: 2, 3: 3}
+    records = {int(k.rsplit("/", 1)[1]): v for k, v in etcd.get_prefix(f"/rootrank/v1/groups/{group}/rooms/{room}/ranks/")}
+    assert records[failing]["origin"] == "local" and records[failing]["reason"] == "nixl_error", records
+    assert [r for r, v in records.items() if v["origin"] == "local"] == [failing], records
+    for r in (0, 1, 2):
+        assert out[r]["raised"]["is_from_another_rank"] is True
+        assert out[r]["raised"]["str"] == (f"KVTransferError(bootstrap_room={room}): failed at {group} rank 3: nixl_error "
+                                           f"(room_record): NIXL transfer encountered ERR room={room}"), out[r]
+    v = coordinator.verdict(room, group)
+    assert (v["status"], v["culprit"]["rank"], v["culprit"]["reason"]) == ("resolved", 3, "nixl_error"), v
