@@ -381,3 +381,62 @@ def test_10_pipeline_parallel_names_the_stage_that_failed(tmp, etcd, coordinator
                                            f"(room_record): NIXL transfer encountered ERR room={room}"), out[r]
     v = coordinator.verdict(room, group)
     assert (v["status"], v["culprit"]["rank"], v["culprit"]["reason"]) == ("resolved", 3, "nixl_error"), v
+
+
+def start_identity(tmp: Path, name: str, env: dict, *args: str) -> tuple:
+    out = tmp / f"{name}.json"
+    p = subprocess.Popen([sys.executable, str(HERE / "sglang_identity.py"), "--out", str(out), "--model-dir", str(tmp / "model"),
+                          *args], env=env, stdout=open(tmp / f"{name}.log", "w"), stderr=subprocess.STDOUT)
+    return p, out
+
+
+def test_11_each_dp_replica_is_its_own_group_and_a_taken_rank_is_refused(tmp, etcd, coordinator):
+    """Plain DP (SGLang keys replicas by system_dp_rank) and DP attention (attention-DP rank):
+    each replica is its own group. A second process claiming a (group, rank) another live
+    incarnation holds is refused with a clear error and changes nothing."""
+    import socket
+
+    (tmp / "model").mkdir()
+    (tmp / "model" / "config.json").write_text(json.dumps(LLAMA))
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("ROOTRANK_")}, "HF_HUB_OFFLINE": "1",
+           "SGLANG_CACHE_DIR": str(tmp / "sgc"), "UCX_TLS": "tcp,self,sm", "ROOTRANK_ETCD_ENDPOINTS": etcd.url,
+           "SGLANG_NCCL_SO_PATH": "/nonexistent/libnccl.so.2"}
+    plain, attn = free_port(), free_port()
+    procs = {
+        "plain0": start_identity(tmp, "plain0", env, "--bootstrap-port", str(plain), "--tp-size", "1", "--dp-size", "2",
+                                 "--world-rank", "0", "--dp-rank", "0", "--serve-bootstrap"),
+        "plain1": start_identity(tmp, "plain1", env, "--bootstrap-port", str(plain), "--tp-size", "1", "--dp-size", "2",
+                                 "--world-rank", "0", "--dp-rank", "1"),
+        "attn0": start_identity(tmp, "attn0", env, "--bootstrap-port", str(attn), "--tp-size", "2", "--dp-size", "2",
+                                "--world-rank", "0", "--dp-attention", "--serve-bootstrap"),
+        "attn1": start_identity(tmp, "attn1", env, "--bootstrap-port", str(attn), "--tp-size", "2", "--dp-size", "2",
+                                "--world-rank", "1", "--dp-attention"),
+    }
+    try:
+        got = {n: wait_until(lambda o=o: o.exists() and json.loads(o.read_text()), 240, f"{n} built")
+               for n, (_, o) in procs.items()}
+        host = socket.gethostname()
+        for kind, port in (("plain", plain), ("attn", attn)):
+            for d in (0, 1):
+                g = got[f"{kind}{d}"]
+                assert (g["group"], g["rank"], g["size"]) == (f"prefill-{host}:{port}-dp{d}", 0, 1), g
+                assert g["incarnation"] and g["registration_error"] is None, g
+        first = etcd.get_prefix(f"/rootrank/v1/groups/prefill-{host}:{plain}-dp0/ranks/0/live")
+        # The same replica started twice (same host, flags and DP rank): the second is refused.
+        p, o = start_identity(tmp, "twin", env, "--bootstrap-port", str(plain), "--tp-size", "1", "--dp-size", "2",
+                              "--world-rank", "0", "--dp-rank", "0")
+        procs["twin"] = (p, o)
+        twin = wait_until(lambda: o.exists() and json.loads(o.read_text()), 240, "the twin built")
+        assert twin["group"] == got["plain0"]["group"] and twin["incarnation"] is None, twin
+        err = twin["registration_error"] or ""
+        assert f"rank 0 of group prefill-{host}:{plain}-dp0 is not registered" in err and str(got["plain0"]["pid"]) in err, err
+        print("refused:", err)
+        assert etcd.get_prefix(f"/rootrank/v1/groups/prefill-{host}:{plain}-dp0/ranks/0/live") == first
+    finally:
+        for p, o in procs.values():
+            Path(str(o) + ".stop").touch()
+        for p, _ in procs.values():
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
