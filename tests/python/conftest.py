@@ -45,8 +45,9 @@ def wait_until(pred, timeout_s: float = 20.0, what: str = "condition"):
 class Etcd:
     """One etcd member with a short election timeout (leases down to 1 s)."""
 
-    def __init__(self, tmp: Path, *extra: str):
+    def __init__(self, tmp: Path, *extra: str, hosts: tuple = ()):
         self.extra = list(extra)
+        self.hosts = hosts  # more addresses to serve clients on (a network namespace's veth)
         self.dir = tmp / f"etcd-{free_port()}"
         self.client_port, self.peer_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.client_port}"
@@ -56,7 +57,8 @@ class Etcd:
     def start(self) -> None:
         peer = f"http://127.0.0.1:{self.peer_port}"
         self.proc = subprocess.Popen(
-            ["etcd", "--name", "n0", "--data-dir", str(self.dir), "--listen-client-urls", self.url,
+            ["etcd", "--name", "n0", "--data-dir", str(self.dir), "--listen-client-urls",
+             ",".join([self.url, *(f"http://{h}:{self.client_port}" for h in self.hosts)]),
              "--advertise-client-urls", self.url, "--listen-peer-urls", peer,
              "--initial-advertise-peer-urls", peer, "--initial-cluster", f"n0={peer}",
              "--heartbeat-interval", "10", "--election-timeout", "100", "--log-level", "warn", *self.extra],

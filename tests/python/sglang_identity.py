@@ -2,7 +2,7 @@
 publishes for a given parallel layout, to see which rootrank group it joins:
 
     python sglang_identity.py --out FILE --bootstrap-port B --tp-size T --dp-size D \
-        --world-rank R --dp-rank DR [--dp-attention] [--serve-bootstrap] [--dist-init-addr A]
+        --world-rank R --dp-rank DR [--dp-attention] [--serve-bootstrap] [--dist-init-addr A --nnodes N]
 
 ``publish(server_args, SpawnRanks(world_rank, dp_rank))`` is what ``run_scheduler_process``
 does (plain DP replicas are separate worlds told their DP rank; under DP attention the
@@ -30,14 +30,25 @@ def main(a) -> None:
     from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish
     from sglang.srt.server_args import ServerArgs
 
-    extra = {"dist_init_addr": a.dist_init_addr, "nnodes": 1} if a.dist_init_addr else {}
+    # Multi-node: every node is given the leader's --dist-init-addr, --nnodes and its own
+    # --node-rank; torch.distributed spans the nodes (SGLang's own init, over gloo).
+    extra = {"dist_init_addr": a.dist_init_addr, "nnodes": a.nnodes, "node_rank": a.world_rank} if a.dist_init_addr else {}
     server_args = ServerArgs(model_path=a.model_dir, disaggregation_mode="prefill", disaggregation_transfer_backend="nixl",
                              disaggregation_bootstrap_port=a.bootstrap_port, device="cpu", skip_tokenizer_init=True,
                              host="127.0.0.1", tp_size=a.tp_size, dp_size=a.dp_size,
                              enable_dp_attention=a.dp_attention, **extra)
     publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=a.world_rank, dp_rank=a.dp_rank, gpu_id=0))
-    get_parallel().override_permanently(pp_group=None)
-    server = NixlKVBootstrapServer("127.0.0.1", a.bootstrap_port) if a.serve_bootstrap else None
+    host = "127.0.0.1"
+    if a.dist_init_addr:
+        from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
+
+        host, port = a.dist_init_addr.rsplit(":", 1)
+        init_distributed_environment(world_size=a.tp_size, rank=a.world_rank, local_rank=0, backend="gloo",
+                                     distributed_init_method=f"tcp://{host}:{port}")
+        initialize_model_parallel(backend="gloo")
+    else:
+        get_parallel().override_permanently(pp_group=None)
+    server = NixlKVBootstrapServer(host, a.bootstrap_port) if a.serve_bootstrap else None
     kv_args, _ = sglang_kit.kv_args(a.world_rank, 16, total_kv_heads=a.tp_size)
     kv_args.system_dp_rank = a.dp_rank or 0
     kv_mgr = NixlKVManager(kv_args, DisaggregationMode.PREFILL, server_args)
@@ -66,6 +77,7 @@ if __name__ == "__main__":
     ap.add_argument("--dp-attention", action="store_true")
     ap.add_argument("--serve-bootstrap", action="store_true")
     ap.add_argument("--dist-init-addr", default=None)
+    ap.add_argument("--nnodes", type=int, default=1)
     try:
         main(ap.parse_args())
     except BaseException:

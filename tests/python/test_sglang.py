@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port, wait_until
+from conftest import Etcd, free_port, wait_until
 
 HERE = Path(__file__).resolve().parent
 LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
@@ -440,3 +440,96 @@ def test_11_each_dp_replica_is_its_own_group_and_a_taken_rank_is_refused(tmp, et
                 p.wait(30)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+
+class Machines:
+    """Two "machines" on this one: network namespaces A and B, each process in them with its
+    own hostname (a UTS namespace), joined to the host by a veth pair (etcd is reached there)
+    and to each other by one (the multi-node instance's traffic)."""
+
+    def __init__(self):
+        n = os.getpid() % 200 + 20
+        self.ns = [f"rr{n}a", f"rr{n}b"]
+        self.host_ip = [f"10.236.{n}.1", f"10.236.{n}.5"]
+        self.ns_ip = [f"10.236.{n}.2", f"10.236.{n}.6"]
+        self.link_ip = [f"10.237.{n}.1", f"10.237.{n}.2"]
+        self.link_if = [f"rr{n}ab", f"rr{n}ba"]
+        for ns in self.ns:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        for i, ns in enumerate(self.ns):
+            host_if, ns_if = f"rr{n}h{i}", f"rr{n}n{i}"
+            self.ip("netns", "add", ns)
+            self.ip("link", "add", host_if, "type", "veth", "peer", "name", ns_if)
+            self.ip("link", "set", ns_if, "netns", ns)
+            self.ip("addr", "add", f"{self.host_ip[i]}/30", "dev", host_if)
+            self.ip("link", "set", host_if, "up")
+            self.ip("-n", ns, "addr", "add", f"{self.ns_ip[i]}/30", "dev", ns_if)
+            self.ip("-n", ns, "link", "set", ns_if, "up")
+            self.ip("-n", ns, "link", "set", "lo", "up")
+        self.ip("link", "add", self.link_if[0], "type", "veth", "peer", "name", self.link_if[1])
+        for i, ns in enumerate(self.ns):
+            self.ip("link", "set", self.link_if[i], "netns", ns)
+            self.ip("-n", ns, "addr", "add", f"{self.link_ip[i]}/30", "dev", self.link_if[i])
+            self.ip("-n", ns, "link", "set", self.link_if[i], "up")
+
+    @staticmethod
+    def ip(*args: str) -> None:
+        subprocess.run(["ip", *args], check=True, capture_output=True)
+
+    def command(self, i: int, hostname: str, argv: list) -> list:
+        return ["ip", "netns", "exec", self.ns[i], "unshare", "--uts", "sh", "-c", f'hostname {hostname} && exec "$@"',
+                "sh", *argv]
+
+    def close(self) -> None:
+        for ns in self.ns:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def test_12_two_machines_with_the_same_flags_are_two_groups(tmp):
+    """Two machines (network namespaces with hostnames machine-a and machine-b) each run a
+    prefill instance with the same flags (--host 127.0.0.1, the same bootstrap port): two
+    groups, where naming by --host made one. (A multi-node instance shares --dist-init-addr,
+    so its ranks share a group: tests/python/test_plugin.py; across namespaces that case is
+    not run here yet.)"""
+    m = Machines()
+    etcd = Etcd(tmp, hosts=tuple(m.host_ip))
+    procs = {}
+    try:
+        (tmp / "model").mkdir()
+        (tmp / "model" / "config.json").write_text(json.dumps(LLAMA))
+        base = {**{k: v for k, v in os.environ.items() if not k.startswith("ROOTRANK_")}, "HF_HUB_OFFLINE": "1",
+                "SGLANG_CACHE_DIR": str(tmp / "sgc"), "UCX_TLS": "tcp,self,sm",
+                "SGLANG_NCCL_SO_PATH": "/nonexistent/libnccl.so.2"}
+        same_flags = 18998
+        for i, host in enumerate(("machine-a", "machine-b")):
+            env = {**base, "ROOTRANK_ETCD_ENDPOINTS": f"http://{m.host_ip[i]}:{etcd.client_port}",
+                   # What SGLang would find on a real machine's NIC (these veths are not named like one).
+                   "SGLANG_HOST_IP": m.link_ip[i]}
+            for name, args in ((f"alone-{host}", ["--bootstrap-port", str(same_flags), "--tp-size", "1", "--dp-size", "1",
+                                                  "--world-rank", "0", "--serve-bootstrap"]),):
+                out = tmp / f"{name}.json"
+                argv = [sys.executable, str(HERE / "sglang_identity.py"), "--out", str(out), "--model-dir", str(tmp / "model"), *args]
+                procs[name] = (subprocess.Popen(m.command(i, host, argv), env=env, stdout=open(tmp / f"{name}.log", "w"),
+                                                stderr=subprocess.STDOUT), out)
+        got = {}
+        for name, (p, out) in procs.items():
+            got[name] = wait_until(lambda: out.exists() and json.loads(out.read_text()) or (p.poll() is not None and
+                                   AssertionError((tmp / f"{name}.log").read_text()[-3000:])), 300, f"{name} built")
+            assert isinstance(got[name], dict), got[name]
+        alone = {n: (g["group"], g["rank"], g["size"]) for n, g in got.items() if n.startswith("alone")}
+        assert alone == {"alone-machine-a": (f"prefill-machine-a:{same_flags}-dp0", 0, 1),
+                         "alone-machine-b": (f"prefill-machine-b:{same_flags}-dp0", 0, 1)}, alone
+        assert all(g["incarnation"] and g["registration_error"] is None for g in got.values()), got
+        lives = [k for k, _ in etcd.get_prefix("/rootrank/v1/groups/") if k.endswith("/live")]
+        assert len(lives) == 2, lives
+        print("groups:", sorted({g["group"] for g in got.values()}))
+    finally:
+        for p, out in procs.values():
+            Path(str(out) + ".stop").touch()
+        for p, _ in procs.values():
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        etcd.kill()
+        m.close()
