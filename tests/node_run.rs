@@ -31,6 +31,36 @@ async fn only_certificate(endpoint: &str, group: &str, rank: u32) -> anyhow::Res
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rank_that_died_because_its_peer_vanished_is_a_victim() -> anyhow::Result<()> {
+    // What a TP survivor prints when gloo raises in it after a peer's SIGKILL (torch 2.14.1,
+    // collected here), then exits: the supervisor certifies a victim, not a plain exit.
+    let etcd = Etcd::start()?;
+    let ep = etcd.endpoint();
+    let script = r#"echo "Traceback (most recent call last):" >&2; echo '  File "utils.py", line 302, in _all_reduce_polls' >&2; echo "RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:561] Connection closed by peer [127.0.0.1]:8355. This is typically caused by a remote worker crashing." >&2; exit 1"#;
+    let out = run_cmd(
+        &ep,
+        "prefill-9",
+        0,
+        2,
+        &["--agent-grace-ms", "100", "--lease-ttl-ms", "30000"],
+        &["sh", "-c", script],
+    )
+    .stdin(Stdio::null())
+    .output()?;
+    assert_eq!(out.status.code(), Some(1));
+    let cert = only_certificate(&ep, "prefill-9", 0).await?;
+    let c = &cert.value;
+    assert_eq!(c["reason"], "peer_lost", "{c}");
+    assert!(
+        c["detail"]
+            .as_str()
+            .is_some_and(|d| d.starts_with("RuntimeError: [/__w/pytorch") && d.contains("exited with code 1")),
+        "{c}"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn traceback_and_exit_code_reach_the_verdict() -> anyhow::Result<()> {
     let etcd = Etcd::start()?;
     let ep = etcd.endpoint();
