@@ -37,7 +37,8 @@ kv_mgr.failure_records = {}
 kv_mgr.failure_lock = threading.Lock()
 kv_mgr.exceptions = {}
 kv_mgr.disaggregation_mode = DisaggregationMode.PREFILL
-kv_mgr.bootstrap_host, kv_mgr.bootstrap_port, kv_mgr.dist_init_addr = "10.0.0.5", 8998, None
+# A multi-node instance: its dist_init_addr names the group on every node.
+kv_mgr.bootstrap_host, kv_mgr.bootstrap_port, kv_mgr.dist_init_addr = "10.0.0.5", 8998, "10.0.0.5:8998"
 kv_mgr.attn_tp_rank, kv_mgr.attn_tp_size, kv_mgr.attn_dp_rank = 0, 2, 0
 plugin._plugin.on_kv_manager(kv_mgr)
 assert kv_mgr._rootrank_rank.group == group, kv_mgr._rootrank_rank.group

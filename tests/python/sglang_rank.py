@@ -121,9 +121,12 @@ def main() -> None:
 
         result["plugin_stats"] = plugin.stats()
     except ImportError:
-        pass
+        plugin = None
     with open(args.out, "w") as f:
         json.dump(result, f)
+    if plugin is not None and plugin._plugin is not None:
+        # A culprit not known within the budget is logged as soon as it resolves.
+        plugin._plugin.wait_followed(30)
     if args.scenario != "fatal":
         dist.barrier(group=gloo_group)
     if server is not None:
