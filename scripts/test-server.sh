@@ -6,7 +6,8 @@
 # packages), the wheel installed into it, and the tiny random-weight Llama under
 # ~/.cache/rootrank (tests/python/server_kit.py make-model). Needs target/debug/rootrank (or
 # ROOTRANK_BIN): `make test-server` builds it first. ~7 GB of RAM while it runs; its SGLang
-# processes run at nice 10.
+# processes run at nice 10. ROOTRANK_SKIP_WHEEL=1: use the wheel already installed in the venv
+# (when cargo must not run here, e.g. while another build holds the machine).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="$(scripts/sglang-venv.sh | tail -n 1)"
