@@ -1,0 +1,279 @@
+"""The real-server tier: a real SGLang 0.5.23 PD deployment (`python -m sglang.launch_server`
+prefill TP=2 and decode TP=1, KV over NIXL, sglang-router in front: tests/python/server_kit.py)
+with the rootrank plugin installed from the wheel, a real etcd and a real coordinator. What an
+operator checks: the client's answers through the router, `rootrank why` for the rooms that
+failed, and how long each took. Run by scripts/test-server.sh (`make test-server`), which
+prepares the venv, the wheel and the tiny model.
+
+Scenario 1: greedy outputs with the plugin equal SGLang's alone (the plugin never changes what
+SGLang does). Scenario 2: prefill rank 1 SIGKILLed (the OOM killer's way) while requests are in
+flight: the culprit of the failed rooms is prefill rank 1, never prefill rank 0 (which dies in
+gloo a moment later) nor decode; with SGLang's defaults (its launcher waits 60 s for crash
+dumps before it exits, so decode learns late) and with its crash dumps off."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOTRANK_BIN
+from server_kit import Stack, generate, run_concurrently
+
+PROMPTS = ["The quick brown fox", "Which rank really failed this request?", "Prefill sends the KV cache",
+           "Hello, world! Numbers: 0 1 2"]
+PREFIX = "/rootrank/v1/groups/"
+CRASH_DUMPS_OFF = {"SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0", "SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0"}
+# Survives a loaded 2-core machine: SGLang's idle schedulers busy-poll (at 4000 ms, the decode
+# rank's agent thread, in a process SGLang pins to one busy core at nice 10, missed its lease).
+LEASE_TTL_MS = "5000"
+
+# Scenario 1's outputs without the plugin, for the runs with it.
+baseline: dict = {}
+
+
+def plugin_env(etcd, coordinator) -> dict:
+    return {"ROOTRANK_ETCD_ENDPOINTS": etcd.url, "ROOTRANK_COORDINATOR": coordinator.url,
+            "ROOTRANK_LEASE_TTL_MS": LEASE_TTL_MS}
+
+
+def greedy_outputs(stack: Stack) -> tuple[list, list]:
+    """Each prompt once, one after the other: (output ids per prompt, seconds per request)."""
+    ids, seconds = [], []
+    for prompt in PROMPTS:
+        r = generate(stack.router, prompt, 8)
+        assert r["status"] == 200 and isinstance(r["body"], dict), f"{stack.name}: {r}\n{stack.tails()}"
+        ids.append(r["body"]["output_ids"])
+        seconds.append(r["seconds"])
+    return ids, seconds
+
+
+def live_ranks(etcd) -> dict:
+    """(group, rank) -> RankLive, from etcd."""
+    return {(v["group"], v["rank"]): v for k, v in etcd.get_prefix(PREFIX) if k.endswith("/live")}
+
+
+def room_records(etcd) -> dict:
+    """(group, room, rank) -> RoomFailure, from etcd."""
+    out = {}
+    for k, v in etcd.get_prefix(PREFIX):
+        m = re.match(rf"{PREFIX}(.+)/rooms/(\d+)/ranks/(\d+)$", k)
+        if m:
+            out[(m.group(1), int(m.group(2)), int(m.group(3)))] = v
+    return out
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def test_1_plugin_off_baseline(tmp):
+    """SGLang alone (ROOTRANK_ETCD_ENDPOINTS unset): the outputs scenario 1 compares with."""
+    stack = Stack(tmp, "off", {})
+    try:
+        ready = stack.start()
+        ids, seconds = greedy_outputs(stack)
+        assert "rootrank: SGLang" not in stack.log("prefill") + stack.log("decode")
+    finally:
+        stack.stop()
+    print(f"\nplugin off: ready in {ready:.1f} s; request latency {', '.join(f'{s:.2f}' for s in seconds)} s")
+    baseline.update(ids=ids, seconds=seconds)
+
+
+def groups(etcd, label: str) -> tuple[str, str, dict]:
+    """The prefill and decode groups the plugin registered: (prefill, decode, live records)."""
+    lives = live_ranks(etcd)
+    prefill = {g for (g, r), v in lives.items() if v.get("role") == "prefill"}
+    decode = {g for (g, r), v in lives.items() if v.get("role") == "decode"}
+    assert len(prefill) == 1 and len(decode) == 1, f"{label}: groups in etcd: {sorted(lives)}"
+    (pg,), (dg,) = prefill, decode
+    assert sorted(r for (g, r) in lives if g == pg) == [0, 1] and sorted(r for (g, r) in lives if g == dg) == [0], lives
+    return pg, dg, lives
+
+
+def failed(r: dict) -> bool:
+    return r["status"] != 200 or not isinstance(r["body"], dict) or \
+        r["body"].get("meta_info", {}).get("finish_reason", {}).get("type") == "abort"
+
+
+def client_text(r: dict) -> str:
+    body = r["body"] if isinstance(r["body"], str) else json.dumps(r["body"])
+    return f"HTTP {r['status']} {body[:600]}"
+
+
+def why(coordinator, room: int, group: str) -> subprocess.CompletedProcess:
+    return subprocess.run([ROOTRANK_BIN, "why", str(room), "--group", group, "--coordinator", coordinator.url],
+                          capture_output=True, text=True, timeout=30)
+
+
+def kill_prefill_rank1(stack: Stack, etcd, coordinator, label: str, settle_s: float) -> None:
+    """SIGKILLs prefill rank 1 while clients keep requests in flight, then checks what the
+    clients got and what rootrank names for every failed room."""
+    pg, dg, lives = groups(etcd, label)
+    pid = lives[(pg, 1)]["pid"]
+    # The live record's pid is the scheduler SGLang titles TP1 (this test runs in the host's pid namespace).
+    assert "TP1" in cmdline(pid), f"{label}: pid {pid} of {pg} rank 1 is not the TP1 scheduler: {cmdline(pid)!r}"
+    # Rooms failed before (scenario 3's) are not this kill's.
+    known_rooms = {room for (_, room, _) in room_records(etcd)}
+
+    results: list = []
+    stop = threading.Event()
+
+    def client(i: int) -> None:
+        n = 0
+        while not stop.is_set():
+            results.append(generate(stack.router, f"{PROMPTS[i % len(PROMPTS)]} {i}.{n}", 32, timeout=240))
+            n += 1
+
+    clients = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(6)]
+    for t in clients:
+        t.start()
+    time.sleep(3.0)  # requests flowing: some decoding, some on the prefill
+    killed_at = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+
+    # Until every client has its answer and every failed room its verdict: when each thing
+    # an operator sees happened, in seconds after the kill.
+    seen: dict = {}
+    verdicts: dict = {}
+    while time.monotonic() - killed_at < settle_s:
+        now = time.monotonic() - killed_at
+        if now > 1.0:
+            stop.set()  # a few requests reached the dead prefill; no more
+        keys = etcd.get_prefix(PREFIX)
+        for k, v in keys:
+            if re.match(rf"{PREFIX}{re.escape(pg)}/ranks/\d+/down/", k):
+                seen.setdefault(f"{pg} rank {v['rank']} down ({v['reason']})", now)
+        recs = {key: v for key, v in room_records(etcd).items() if key[1] not in known_rooms}
+        for (g, room, rank), rec in recs.items():
+            seen.setdefault(f"first {'prefill' if g == pg else 'decode'} room record", now)
+            if (g, room) not in verdicts:
+                v = coordinator.verdict(room, g)
+                if v.get("status") == "resolved":
+                    verdicts[(g, room)] = v
+                    seen.setdefault(f"first {'prefill' if g == pg else 'decode'} room's verdict resolved", now)
+        rooms = {key[:2] for key in recs}
+        if (stop.is_set() and not any(t.is_alive() for t in clients) and any(g == dg for g, _ in rooms)
+                and rooms <= set(verdicts)):
+            break
+        time.sleep(0.5)
+    assert not any(t.is_alive() for t in clients), f"{label}: a client still waits {settle_s} s after the kill"
+
+    bad = [r for r in results if failed(r)]
+    print(f"\n{label}: {len(results)} requests, {len(bad)} failed; prefill group {pg}, decode group {dg}")
+    for r in bad[:3]:
+        print(f"  client got {r['done_at'] - killed_at:+.1f} s after the kill: {client_text(r)}")
+    assert bad, f"{label}: no request failed; the kill hit nothing in flight"
+    for (g, room, rank), rec in sorted(recs.items()):
+        print(f"  record {g} room {room} rank {rank}: {rec['origin']} {rec['reason']}: {rec.get('detail', '')[:120]}")
+    assert any(g == dg for g, _ in rooms), f"{label}: no decode room record within {settle_s} s of the kill: {recs}"
+
+    shown = set()
+    for g, room in sorted(rooms):
+        t0 = time.monotonic()
+        w = why(coordinator, room, g)
+        lines = w.stdout.strip().splitlines()
+        print(f"  $ rootrank why {room} --group {g}   ({time.monotonic() - t0:.2f} s)\n    "
+              + "\n    ".join(lines if g not in shown else [ln for ln in lines if "culprit:" in ln]))
+        shown.add(g)
+        v = verdicts.get((g, room))
+        assert v, f"{label}: room {room} of {g} not resolved {settle_s} s after the kill: {coordinator.verdict(room, g)}"
+        c = v["culprit"]
+        assert (c["group"], c["rank"]) == (pg, 1), (
+            f"{label}: room {room} of {g}: culprit {c['group']} rank {c['rank']}, expected {pg} rank 1\n"
+            f"verdict: {json.dumps(v, indent=1)}")
+        # The survivor died in gloo a moment after the kill: a victim, never the culprit.
+        assert (pg, 0, "peer_lost") in [(x["group"], x["rank"], x["reason"]) for x in v["victims"]], v
+        assert w.returncode == 0 and f"culprit: {pg} rank 1" in w.stdout, w.stdout + w.stderr
+    errors_at = sorted(r["done_at"] - killed_at for r in bad)
+    seen[f"client errors ({len(bad)})"] = errors_at[0]
+    print(f"{label}, seconds after the kill: " + "; ".join(f"{k} {v:.1f}" for k, v in sorted(seen.items(), key=lambda kv: kv[1])))
+
+
+def fail_prefill_rank1_polls(stack: Stack, etcd, coordinator, fail_file: Path) -> None:
+    """Scenario 3: prefill rank 1 alone fails its polls (SGLang's own fault injection, turned
+    on in that one scheduler by the test-only plugin); rank 0 sees only the all-reduced Failed."""
+    pg, dg, _ = groups(etcd, "one rank's polls fail")
+    fail_file.write_text("TP1")
+    time.sleep(1.0)  # the test-only plugin looks every 0.2 s
+    try:
+        # The router answers with decode's response; decode waits for the KV that will not come
+        # (SGLang's waiting timeout, 300 s), so the client gives up first.
+        r = generate(stack.router, "fail on one rank", 8, timeout=20)
+    finally:
+        fail_file.unlink()
+    time.sleep(1.0)
+    print(f"\none rank's polls fail: the client got after {r['seconds']:.1f} s: {client_text(r)}")
+    assert failed(r), f"the request did not fail: {r}"
+    # The room: the one both prefill ranks recorded (rank 1 first-hand, rank 0 its fallback);
+    # SGLang's health checks (bootstrap room 0, a fake transfer) fail on rank 1 as well.
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        recs = {k: v for k, v in room_records(etcd).items() if k[0] == pg}
+        rooms = {room for (_, room, rank) in recs if room != 0 and (pg, room, 0) in recs and (pg, room, 1) in recs}
+        if rooms:
+            break
+        time.sleep(0.5)
+    for (g, room, rank), rec in sorted(recs.items()):
+        print(f"  record {g} room {room} rank {rank}: {rec['origin']} {rec['reason']}: {rec.get('detail', '')[:160]}")
+    assert len(rooms) == 1, f"expected one failed room recorded by both prefill ranks: {sorted(recs)}"
+    (room,) = rooms
+    assert recs[(pg, room, 1)]["origin"] == "local" and recs[(pg, room, 0)]["origin"] == "propagated", recs
+    v = coordinator.verdict(room, pg, wait_ms=3000)
+    w = why(coordinator, room, pg)
+    print(f"  $ rootrank why {room} --group {pg}\n    " + "\n    ".join(w.stdout.strip().splitlines()))
+    assert v["status"] == "resolved" and (v["culprit"]["group"], v["culprit"]["rank"]) == (pg, 1), v
+    assert v["culprit"]["reason"] == "other" and v["culprit"]["source"] == "room_record", v
+    assert w.returncode == 0 and f"culprit: {pg} rank 1" in w.stdout, w.stdout + w.stderr
+
+
+def wait_until_records(etcd, group: str, timeout_s: float = 30.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        recs = {k: v for k, v in room_records(etcd).items() if k[0] == group}
+        if recs:
+            return recs
+        time.sleep(0.5)
+    raise AssertionError(f"no room record of {group} within {timeout_s} s")
+
+
+def test_2_plugin_on_same_outputs_and_sigkilled_prefill_rank_named(tmp, etcd, coordinator):
+    """Scenario 1 with the plugin, then scenario 2 under SGLang's defaults (crash dumps on)."""
+    assert baseline, "test_1_plugin_off_baseline must run first (same module) for the outputs to compare"
+    stack = Stack(tmp, "on", plugin_env(etcd, coordinator))
+    try:
+        ready = stack.start()
+        assert "rootrank: SGLang 0.5.23 plugin active" in stack.log("prefill"), stack.tails()
+        ids, seconds = greedy_outputs(stack)
+        print(f"\nplugin on: ready in {ready:.1f} s; request latency {', '.join(f'{s:.2f}' for s in seconds)} s "
+              f"(off: {', '.join(f'{s:.2f}' for s in baseline['seconds'])} s)")
+        assert ids == baseline["ids"], f"greedy outputs differ with the plugin: {ids} vs {baseline['ids']}"
+        # SGLang's launcher waits 5 s + 60 s for crash dumps before it exits; decode learns after.
+        kill_prefill_rank1(stack, etcd, coordinator, "SGLang defaults", settle_s=180)
+    finally:
+        stack.stop()
+
+
+def test_3_one_rank_fails_then_sigkilled_prefill_rank_named_crash_dumps_off(tmp, etcd, coordinator):
+    """Scenario 3 (one prefill rank fails its polls), then scenario 2 with SGLang's crash dumps
+    off: its launcher exits at once, decode learns in seconds."""
+    fail_file = tmp / "fail-polls"
+    stack = Stack(tmp, "on-nodumps", {**plugin_env(etcd, coordinator), **CRASH_DUMPS_OFF,
+                                      "ROOTRANK_TEST_FAIL_POLLS_FILE": str(fail_file)})
+    try:
+        ready = stack.start()
+        print(f"\nplugin on, crash dumps off: ready in {ready:.1f} s")
+        fail_prefill_rank1_polls(stack, etcd, coordinator, fail_file)
+        kill_prefill_rank1(stack, etcd, coordinator, "crash dumps off", settle_s=120)
+    finally:
+        stack.stop()
