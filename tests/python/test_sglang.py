@@ -32,14 +32,27 @@ LAUNCHER = (
 )
 
 
-def run_group(tmp: Path, scenario: str, env: dict, room: int = 4_611_686_018_427_387_904, culprit: int = 1):
+def tiny_model(tmp: Path, **config) -> Path:
+    """A directory holding only a tiny Llama config.json: all SGLang's objects here need."""
     model = tmp / "model"
     model.mkdir(exist_ok=True)
-    (model / "config.json").write_text(json.dumps(LLAMA))
+    (model / "config.json").write_text(json.dumps({**LLAMA, **config}))
+    return model
+
+
+def sglang_env(tmp: Path, **extra: str) -> dict:
+    """A rank process's environment: the caller's, without its rootrank settings, offline,
+    UCX over tcp; pynccl sent down its non-GPU branch (it looks for the wheel's CUDA NCCL)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROOTRANK_")}
+    env.update(HF_HUB_OFFLINE="1", SGLANG_CACHE_DIR=str(tmp / "sglang-cache"), UCX_TLS="tcp,self,sm",
+               SGLANG_NCCL_SO_PATH="/nonexistent/libnccl.so.2", **extra)
+    return env
+
+
+def run_group(tmp: Path, scenario: str, env: dict, room: int = 4_611_686_018_427_387_904, culprit: int = 1):
+    model = tiny_model(tmp)
     gloo, boot = free_port(), free_port()
-    base = {k: v for k, v in os.environ.items() if not k.startswith("ROOTRANK_")}
-    base.update(HF_HUB_OFFLINE="1", SGLANG_CACHE_DIR=str(tmp / "sglang-cache"), UCX_TLS="tcp,self,sm",
-                ROOTRANK_LEASE_TTL_MS="1000", **env)
+    base = sglang_env(tmp, ROOTRANK_LEASE_TTL_MS="1000", **env)
     procs = []
     for rank in (0, 1):
         cmd = [sys.executable, str(HERE / "sglang_rank.py"), "--rank", str(rank), "--world", "2",
@@ -191,12 +204,9 @@ def test_7_decode_killed_mid_transfer_prefill_error_first_hand(tmp, etcd, coordi
     """A real KV transfer through SGLang's own NIXL managers: the decode rank asks for the KV
     and is SIGKILLed before the prefill's WRITE; the prefill's real NIXL error is recorded
     first-hand, naming the decode rank's NIXL agent as its peer."""
-    model = tmp / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps(LLAMA))
+    model = tiny_model(tmp)
     boot, room = free_port(), 777
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("ROOTRANK_")}, "HF_HUB_OFFLINE": "1",
-           "SGLANG_CACHE_DIR": str(tmp / "sgc"), "UCX_TLS": "tcp,self,sm", "ROOTRANK_LEASE_TTL_MS": "1000", **plugin_env}
+    env = sglang_env(tmp, ROOTRANK_LEASE_TTL_MS="1000", **plugin_env)
     common = ["--bootstrap-port", str(boot), "--room", str(room), "--dir", str(tmp), "--model-dir", str(model)]
     script = str(HERE / "sglang_transfer.py")
     prefill = subprocess.Popen([sys.executable, script, "prefill", "--wait-for-death", *common], env=env,
@@ -231,13 +241,9 @@ def run_scheduler_group(tmp: Path, world: int, victim_of: int, env: dict, room: 
     """``world`` prefill ranks through SGLang's real run_scheduler_process (each under a
     launcher that records SIGQUIT), rank ``victim_of`` SIGKILLed mid-loop
     (tests/python/sglang_scheduler.py). Returns (codes, infos, logs)."""
-    model = tmp / "model"
-    model.mkdir(exist_ok=True)
-    (model / "config.json").write_text(json.dumps(LLAMA))
+    model = tiny_model(tmp)
     gloo, boot = free_port(), free_port()
-    base = {k: v for k, v in os.environ.items() if not k.startswith("ROOTRANK_")}
-    base.update(HF_HUB_OFFLINE="1", SGLANG_CACHE_DIR=str(tmp / "sglang-cache"), UCX_TLS="tcp,self,sm",
-                ROOTRANK_LEASE_TTL_MS="1000", **env)
+    base = sglang_env(tmp, ROOTRANK_LEASE_TTL_MS="1000", **env)
     procs = []
     for rank in range(world):
         cmd = [sys.executable, str(HERE / "sglang_scheduler.py"), "--rank", str(rank), "--world", str(world),
@@ -302,13 +308,10 @@ def test_9_decode_told_by_its_prefill_names_the_prefill_rank(tmp, etcd, coordina
     apply_prefill_status) and publishes `peer_reported` naming it; decode rank 0 fails the room
     only through its all-reduce and raises the fallback. The decode group's verdict is the
     prefill's: prefill rank 1, at the default verdict budget."""
-    model = tmp / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps(LLAMA))
+    model = tiny_model(tmp)
     boot, room, world, failing = free_port(), 6_917_529_027_641_081_857, 2, 1
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("ROOTRANK_")}, "HF_HUB_OFFLINE": "1",
-           "SGLANG_CACHE_DIR": str(tmp / "sgc"), "UCX_TLS": "tcp,self,sm", "ROOTRANK_LEASE_TTL_MS": "1000",
-           "ROOTRANK_ETCD_ENDPOINTS": etcd.url, "ROOTRANK_COORDINATOR": coordinator.url}
+    env = sglang_env(tmp, ROOTRANK_LEASE_TTL_MS="1000", ROOTRANK_ETCD_ENDPOINTS=etcd.url,
+                     ROOTRANK_COORDINATOR=coordinator.url)
     procs = []
     for role in ("prefill", "decode"):
         gloo, serving = free_port(), free_port()  # one instance: its ranks share the serving port
@@ -359,16 +362,11 @@ def test_10_pipeline_parallel_names_the_stage_that_failed(tmp, etcd, coordinator
     fails. PP rank 0 polls the consensus of every stage, so its poll says Failed though its
     own status does not: rootrank publishes only a rank's own status, so the culprit is the
     stage-1 rank and no PP-0 rank publishes a `local` record. One group spans the stages."""
-    model = tmp / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({**LLAMA, "num_hidden_layers": 2}))
+    model = tiny_model(tmp, num_hidden_layers=2)
     room, failing = 7_205_759_403_792_793_601, 3  # world rank 3: pp 1, tp 1
     dist_port, boot = free_port(), free_port()
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("ROOTRANK_")}, "HF_HUB_OFFLINE": "1",
-           "SGLANG_CACHE_DIR": str(tmp / "sgc"), "UCX_TLS": "tcp,self,sm", "ROOTRANK_LEASE_TTL_MS": "1000",
-           # pynccl looks for the CUDA NCCL of the wheel: send it down its non-GPU branch.
-           "SGLANG_NCCL_SO_PATH": "/nonexistent/libnccl.so.2",
-           "ROOTRANK_ETCD_ENDPOINTS": etcd.url, "ROOTRANK_COORDINATOR": coordinator.url}
+    env = sglang_env(tmp, ROOTRANK_LEASE_TTL_MS="1000", ROOTRANK_ETCD_ENDPOINTS=etcd.url,
+                     ROOTRANK_COORDINATOR=coordinator.url)
     procs = [subprocess.Popen([sys.executable, str(HERE / "sglang_pp.py"), "--rank", str(r), "--dist-port", str(dist_port),
                                "--bootstrap-port", str(boot), "--room", str(room), "--failing", str(failing), "--dir", str(tmp),
                                "--model-dir", str(model)], env=env, stdout=open(tmp / f"pp{r}.log", "w"), stderr=subprocess.STDOUT)
@@ -405,11 +403,8 @@ def test_11_each_dp_replica_is_its_own_group_and_a_taken_rank_is_refused(tmp, et
     incarnation holds is refused with a clear error and changes nothing."""
     import socket
 
-    (tmp / "model").mkdir()
-    (tmp / "model" / "config.json").write_text(json.dumps(LLAMA))
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("ROOTRANK_")}, "HF_HUB_OFFLINE": "1",
-           "SGLANG_CACHE_DIR": str(tmp / "sgc"), "UCX_TLS": "tcp,self,sm", "ROOTRANK_ETCD_ENDPOINTS": etcd.url,
-           "SGLANG_NCCL_SO_PATH": "/nonexistent/libnccl.so.2"}
+    tiny_model(tmp)
+    env = sglang_env(tmp, ROOTRANK_ETCD_ENDPOINTS=etcd.url)
     plain, attn = free_port(), free_port()
     procs = {
         "plain0": start_identity(tmp, "plain0", env, "--bootstrap-port", str(plain), "--tp-size", "1", "--dp-size", "2",
@@ -504,11 +499,8 @@ def test_12_two_machines_with_the_same_flags_are_two_groups(tmp):
     etcd = Etcd(tmp, hosts=tuple(m.host_ip))
     procs = {}
     try:
-        (tmp / "model").mkdir()
-        (tmp / "model" / "config.json").write_text(json.dumps(LLAMA))
-        base = {**{k: v for k, v in os.environ.items() if not k.startswith("ROOTRANK_")}, "HF_HUB_OFFLINE": "1",
-                "SGLANG_CACHE_DIR": str(tmp / "sgc"), "UCX_TLS": "tcp,self,sm",
-                "SGLANG_NCCL_SO_PATH": "/nonexistent/libnccl.so.2"}
+        tiny_model(tmp)
+        base = sglang_env(tmp)
         same_flags = 18998
         for i, host in enumerate(("machine-a", "machine-b")):
             env = {**base, "ROOTRANK_ETCD_ENDPOINTS": f"http://{m.host_ip[i]}:{etcd.client_port}",
