@@ -84,6 +84,8 @@ def main(a) -> None:
         import rootrank.sglang as plugin
 
         out["plugin_stats"] = plugin.stats()
+        if plugin._plugin is not None:
+            plugin._plugin.wait_followed(30)  # a culprit not known within the budget is logged
     with open(os.path.join(a.dir, f"pp{a.rank}.json"), "w") as f:
         json.dump(out, f)
     world.barrier()

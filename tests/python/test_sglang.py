@@ -382,10 +382,14 @@ def test_10_pipeline_parallel_names_the_stage_that_failed(tmp, etcd, coordinator
     records = {int(k.rsplit("/", 1)[1]): v for k, v in etcd.get_prefix(f"/rootrank/v1/groups/{group}/rooms/{room}/ranks/")}
     assert records[failing]["origin"] == "local" and records[failing]["reason"] == "nixl_error", records
     assert [r for r, v in records.items() if v["origin"] == "local"] == [failing], records
+    named = f"failed at {group} rank 3: nixl_error (room_record): NIXL transfer encountered ERR room={room}"
     for r in (0, 1, 2):
-        assert out[r]["raised"]["is_from_another_rank"] is True
-        assert out[r]["raised"]["str"] == (f"KVTransferError(bootstrap_room={room}): failed at {group} rank 3: nixl_error "
-                                           f"(room_record): NIXL transfer encountered ERR room={room}"), out[r]
+        raised = out[r]["raised"]
+        assert raised["is_from_another_rank"] is True
+        if raised["str"] != f"KVTransferError(bootstrap_room={room}): {named}":
+            # At the default budget the record may still be on its way: pending, then logged.
+            assert raised["str"].endswith(f"(rootrank: pending, see rootrank why {room} --group {group})"), raised
+            assert f"was '{FALLBACK}': {named}" in (tmp / f"pp{r}.log").read_text(), r
     v = coordinator.verdict(room, group)
     assert (v["status"], v["culprit"]["rank"], v["culprit"]["reason"]) == ("resolved", 3, "nixl_error"), v
 
