@@ -77,13 +77,14 @@ def grafana_to_promql(expr):
 
 
 def spec_metrics(spec_path):
-    """{name: (type, {labels})} from the table of SPEC section 8."""
+    """{name: (type, {labels})} from the table of SPEC section 8 (a row may mark the version
+    that added it: `rootrank_x` (v3))."""
     text = open(spec_path, encoding="utf-8").read()
     m = re.search(r"^## 8\. .*?$(.*?)(?=^## |\Z)", text, re.S | re.M)
     if not m:
         raise Fail(f"{spec_path}: no section 8 (metrics)")
     out = {}
-    for row in re.finditer(r"^\|\s*`(rootrank_[a-z0-9_]+)`\s*\|\s*(\w+)\s*\|([^|\n]*)\|", m.group(1), re.M):
+    for row in re.finditer(r"^\|\s*`(rootrank_[a-z0-9_]+)`(?:\s*\(v\d+\))?\s*\|\s*(\w+)\s*\|([^|\n]*)\|", m.group(1), re.M):
         name, typ, labels = row.groups()
         labs = set() if "(" in labels else {l.strip() for l in labels.split(",") if l.strip()}
         out[name] = (typ, labs)

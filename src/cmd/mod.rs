@@ -10,6 +10,7 @@ mod serve;
 mod sim_rank;
 mod simulate;
 mod status;
+mod watch;
 mod why;
 
 use std::process::ExitCode;
@@ -57,6 +58,8 @@ pub enum Command {
     Why(why::WhyArgs),
     /// Groups and ranks at a glance.
     Status(status::StatusArgs),
+    /// Follows what changes (ranks live, down, stalled; rooms resolved), one line per event.
+    Watch(watch::WatchArgs),
     /// A scriptable rank with an embedded agent: reads commands on stdin (for tests and for
     /// trying rootrank by hand). Type `help` for the commands.
     #[command(hide = true)]
@@ -79,6 +82,7 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Serve(a) => serve::run(a),
         Command::Why(a) => why::run(a),
         Command::Status(a) => status::run(a),
+        Command::Watch(a) => watch::run(a),
         Command::Rank(a) => rank::run(a),
         Command::Demo(a) => demo::run(a),
         Command::Simulate(a) => simulate::run(*a),

@@ -39,10 +39,28 @@ pub fn run(a: StatusArgs) -> anyhow::Result<ExitCode> {
             "rank", "state", "host", "pid", "incarnation"
         );
         for r in v["ranks"].as_array().into_iter().flatten() {
-            let lf = r["last_failure"]
+            let mut lf = r["last_failure"]
                 .as_object()
                 .map(|f| format!("room {} {}", s(&f["room"]), s(&f["reason"])))
                 .unwrap_or_default();
+            // v3: a stalled rank says since when, and whether it stalled first (the suspect).
+            if let Some(st) = r["stall"].as_object() {
+                let secs = st["stalled_ms"].as_u64().map(|ms| format!(" for {} s", ms / 1000));
+                lf = format!(
+                    "{} (no progress{} since {}){}{}",
+                    s(&st["role"]),
+                    secs.unwrap_or_default(),
+                    r["stalled_since"].as_str().unwrap_or("?"),
+                    if lf.is_empty() { "" } else { "; " },
+                    lf
+                );
+            } else if let Some(reason) = r["reason"].as_str() {
+                lf = if lf.is_empty() {
+                    reason.to_string()
+                } else {
+                    format!("{reason}; {lf}")
+                };
+            }
             println!(
                 "  {:<5} {:<9} {:<18} {:<8} {:<20} {lf}",
                 s(&r["rank"]),
@@ -58,16 +76,17 @@ pub fn run(a: StatusArgs) -> anyhow::Result<ExitCode> {
             println!("no groups yet: no rank has registered with this coordinator's etcd");
         }
         println!(
-            "{:<28} {:<8} {:>5} {:>5} {:>5} {:>7}",
-            "group", "role", "size", "live", "down", "missing"
+            "{:<28} {:<8} {:>5} {:>5} {:>7} {:>5} {:>7}",
+            "group", "role", "size", "live", "stalled", "down", "missing"
         );
         for g in groups {
             println!(
-                "{:<28} {:<8} {:>5} {:>5} {:>5} {:>7}",
+                "{:<28} {:<8} {:>5} {:>5} {:>7} {:>5} {:>7}",
                 s(&g["group"]),
                 g["role"].as_str().unwrap_or("-"),
                 s(&g["group_size"]),
                 s(&g["live"]),
+                g["stalled"].as_u64().unwrap_or(0),
                 s(&g["down"]),
                 s(&g["missing"])
             );

@@ -15,6 +15,7 @@
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
 pub mod procfs;
 pub mod script;
+pub mod stall;
 mod worker;
 
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
@@ -82,6 +83,9 @@ pub struct AgentConfig {
     /// e.g. a prefill's bootstrap `host:port` as decode reaches it): a peer's record naming
     /// only that address leads to this rank's group.
     pub advertised: Vec<String>,
+    /// v3: how long the host's loop may go without [`Agent::progress`] before the agent
+    /// thread writes a `RankStall` record (default 10 s). Armed by the first progress.
+    pub stall_after: Duration,
     /// Where the agent thread's logs go. `None` uses the process's global `tracing`
     /// subscriber; a host that has none of its own (a Python rank) passes one here, so the
     /// agent never installs a process-wide subscriber in someone else's process.
@@ -111,6 +115,7 @@ impl AgentConfig {
             nixl_agent: None,
             gpu: None,
             advertised: Vec::new(),
+            stall_after: Duration::from_secs(10),
             log: None,
         })
     }
@@ -135,6 +140,12 @@ impl AgentConfig {
                 "max_batch {} outside 1..={}",
                 self.max_batch,
                 rootrank_store::MAX_BATCH_RECORDS
+            )));
+        }
+        if self.stall_after < Duration::from_millis(100) || self.stall_after > Duration::from_secs(86_400) {
+            return Err(AgentError::Config(format!(
+                "stall_after {:?} outside 100 ms..=24 h",
+                self.stall_after
             )));
         }
         if self.queue_capacity == 0 {
@@ -203,6 +214,8 @@ pub(crate) struct Shared {
     /// Why the live key could not be created (another incarnation holds it), while that
     /// lasts; `None` once registered.
     pub refused: Mutex<Option<String>>,
+    /// The host's loop iterations ([`Agent::progress`]), read by the stall watch.
+    pub progress: AtomicU64,
 }
 
 impl Shared {
@@ -233,6 +246,17 @@ impl Shared {
             *g = true;
             cv.notify_all();
         }
+    }
+}
+
+/// Counts the host loop's iterations for the stall watch: see [`Agent::progress`].
+#[derive(Clone, Debug)]
+pub struct Progress(Arc<Shared>);
+
+impl Progress {
+    #[inline]
+    pub fn tick(&self) {
+        self.0.progress.fetch_add(1, Ordering::Relaxed);
     }
 }
 
@@ -338,6 +362,20 @@ impl Agent {
             }
             Err(mpsc::error::TrySendError::Closed(_)) => Err(AgentError::Stopped),
         }
+    }
+
+    /// One iteration of the host's loop (v3 stalls): one relaxed atomic add, no lock, no
+    /// allocation, callable with the GIL held. The agent thread writes a `RankStall` record
+    /// when the count stops moving for `stall_after`, and deletes it when it moves again.
+    #[inline]
+    pub fn progress(&self) {
+        self.shared.progress.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A handle for [`Agent::progress`] that needs no reference to the agent (a host that
+    /// keeps the agent behind a lock counts its iterations without taking it).
+    pub fn progress_handle(&self) -> Progress {
+        Progress(self.shared.clone())
     }
 
     /// The current incarnation (the liveness lease id), once registered.

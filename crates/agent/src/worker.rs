@@ -1,19 +1,20 @@
-//! The agent's thread: a private single-threaded runtime running two tasks, the liveness
-//! loop (register, keep alive, re-register after a lost lease) and the publisher (drain the
-//! queue into etcd, retrying each item until it is written).
+//! The agent's thread: a private single-threaded runtime running three tasks, the liveness
+//! loop (register, keep alive, re-register after a lost lease), the publisher (drain the
+//! queue into etcd, retrying each item until it is written) and the stall watch (v3).
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use rootrank_core::records::{DownSource, RankDown, RankLive, RoomFailure, SCHEMA_VERSION};
+use rootrank_core::records::{DownSource, RankDown, RankLive, RankStall, RoomFailure, SCHEMA_VERSION};
 use rootrank_core::{time, Incarnation, Keys, Reason};
 use rootrank_store::etcd_client::{Client, PutOptions};
 use rootrank_store::{Backoff, LazyClient, Retained, RetainedWriter, Written};
 use tokio::sync::{mpsc, watch};
 use tracing::{debug, error, info, info_span, warn, Instrument};
 
+use crate::stall::StallAction;
 use crate::{procfs, AgentConfig, Command, Shared, AGENT_VERSION};
 
 /// `RankLive.agent` of a record written by a supervisor for its child (`on_behalf`).
@@ -52,13 +53,16 @@ pub(crate) fn run(config: AgentConfig, rx: mpsc::Receiver<Command>, shared: Arc<
                     shared.clone(),
                     attachments.clone(),
                     registered_revision.clone(),
-                    stop_rx,
+                    stop_rx.clone(),
                 )
                 .in_current_span(),
             );
+            let stalls =
+                tokio::spawn(stall_watch(config.clone(), client.clone(), shared.clone(), stop_rx).in_current_span());
             publisher(config, client, shared, attachments, registered_revision, rx).await;
             let _ = stop_tx.send(true);
             let _ = live.await;
+            let _ = stalls.await;
         }
         .instrument(span),
     );
@@ -235,6 +239,85 @@ async fn liveness(
                 }
                 tokio::select! { _ = tokio::time::sleep(interval) => {}, _ = stop.changed() => return }
             }
+        }
+    }
+}
+
+/// Writes this rank's `RankStall` record when the host's loop stops advancing and deletes it
+/// when it advances again (policy in [`crate::stall::StallDetector`]). The record rides on
+/// the liveness lease: a rank that dies takes it along, and a re-registration re-writes it.
+async fn stall_watch(config: AgentConfig, mut client: Client, shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
+    let keys = Keys::new(&config.prefix);
+    let key = keys.stall(&config.group, config.rank);
+    let mut detector = crate::stall::StallDetector::new(config.stall_after);
+    let origin = Instant::now();
+    let mono_ms = || u64::try_from(origin.elapsed().as_millis()).unwrap_or(u64::MAX);
+    // (incarnation, since_ms, stalled_ms) of the record to keep in etcd; the incarnation it is
+    // written under (0: not written yet).
+    let mut want: Option<(u64, u64)> = None;
+    let mut written: i64 = 0;
+    loop {
+        let now = mono_ms();
+        let wake = detector.poll_timeout(now).saturating_sub(now);
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_millis(wake)) => {},
+            _ = stop.changed() => return,
+        }
+        let now = mono_ms();
+        match detector.observe(shared.progress.load(Ordering::Relaxed), now) {
+            Some(StallAction::Stalled { since_ms, stalled_ms }) => {
+                warn!(
+                    stalled_ms,
+                    "this rank's loop has not advanced: writing its stall record"
+                );
+                want = Some((since_ms, stalled_ms));
+                written = 0;
+            }
+            Some(StallAction::Resumed) => {
+                want = None;
+                if written != 0 {
+                    info!("this rank's loop advances again: deleting its stall record");
+                    if let Err(e) = client.delete(key.as_str(), None).await {
+                        // Deleted with the lease at the latest; the coordinator shows it stalled until then.
+                        warn!(error = %e, "could not delete this rank's stall record");
+                    }
+                }
+                written = 0;
+            }
+            None => {}
+        }
+        let incarnation = shared.incarnation.load(Ordering::SeqCst);
+        let Some((since_ms, stalled_ms)) = want else { continue };
+        let Ok(inc) = Incarnation::new(incarnation) else {
+            continue;
+        };
+        if written == incarnation {
+            continue;
+        }
+        // Wall-clock time of the last progress, for people (ordering is by etcd revision).
+        let since_unix = rootrank_store::unix_ms() - i64::try_from(now.saturating_sub(since_ms)).unwrap_or(0);
+        let record = RankStall {
+            v: SCHEMA_VERSION,
+            group: config.group.clone(),
+            rank: config.rank,
+            incarnation: inc,
+            since: Some(time::format_ms(since_unix)),
+            stalled_ms: Some(stalled_ms),
+            in_flight: None,
+            stack: None,
+        };
+        let Ok(value) = serde_json::to_vec(&record) else {
+            continue;
+        };
+        let opts = PutOptions::new().with_lease(incarnation);
+        match tokio::time::timeout(
+            rootrank_store::REQUEST_TIMEOUT,
+            client.put(key.as_str(), value, Some(opts)),
+        )
+        .await
+        {
+            Ok(Ok(_)) => written = incarnation,
+            other => debug!(?other, "stall record not written yet; retrying"),
         }
     }
 }

@@ -312,6 +312,7 @@ pub fn core_index(cfg: &ScaleCfg) -> anyhow::Result<Value> {
                 value: state::live_value(gid, r, cfg.ranks, cfg.ttl_s as u64 * 1000)?,
                 lease: 1_000_000 + (g as i64) * 100 + r as i64,
                 revision: rev,
+                create_revision: rev,
                 observed_at_ms: now,
             };
             rev += 1;
@@ -333,6 +334,7 @@ pub fn core_index(cfg: &ScaleCfg) -> anyhow::Result<Value> {
                 value: state::record_value(gid, r, room, r == (i as u32 % per_room), now)?,
                 lease: 7,
                 revision: rev,
+                create_revision: rev,
                 observed_at_ms: now,
             };
             rev += 1;

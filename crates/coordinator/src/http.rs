@@ -32,10 +32,12 @@ pub fn router(shared: Arc<Shared>) -> Router {
         .route("/v1/groups", get(groups))
         .route("/v1/groups/{group}", get(group))
         .route("/v1/failures", get(failures))
+        .route("/v1/events", get(events))
+        .route("/v1/health", get(health))
         .route("/metrics", get(metrics))
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
-        .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such route; see SPEC section 6 (GET /v1/rooms/{room}/verdict, /v1/groups, /v1/failures, /metrics, /healthz, /readyz)") })
+        .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such route; see SPEC section 6 (GET /v1/rooms/{room}/verdict, /v1/groups, /v1/failures, /v1/events, /v1/health, /metrics, /healthz, /readyz)") })
         .method_not_allowed_fallback(|| async { ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed", "rootrank's API is read-only: use GET") })
         .layer(middleware::from_fn_with_state(shared.clone(), observe))
         .with_state(shared)
@@ -337,8 +339,11 @@ impl VerdictCache {
 async fn groups(State(shared): State<Arc<Shared>>, RawQuery(raw): RawQuery) -> Result<Response, ApiError> {
     parse_query(raw, &[])?;
     ensure_ready(&shared)?;
-    let groups = shared.index.read().map_err(|_| ApiError::not_ready())?.groups();
-    Ok(Json(json!({ "groups": groups })).into_response())
+    let index = shared.index.read().map_err(|_| ApiError::not_ready())?;
+    // The revision lets a client that got 410 from /v1/events resume after this answer.
+    let body = json!({ "groups": index.groups(), "revision": index.revision() });
+    drop(index);
+    Ok(Json(body).into_response())
 }
 
 async fn group(
@@ -383,6 +388,97 @@ async fn failures(State(shared): State<Arc<Shared>>, RawQuery(raw): RawQuery) ->
         .map_err(|_| ApiError::not_ready())?
         .recent_failures(group.as_ref(), limit);
     Ok(Json(json!({ "failures": list })).into_response())
+}
+
+/// `GET /v1/events?since=REV&group=G` (SPEC v3): see [`crate::events`]. `Last-Event-ID`
+/// (what an SSE client sends when it reconnects) wins over `since`.
+async fn events(
+    State(shared): State<Arc<Shared>>,
+    headers: axum::http::HeaderMap,
+    RawQuery(raw): RawQuery,
+) -> Result<Response, ApiError> {
+    let q = parse_query(raw, &["since", "group"])?;
+    let group = q.get("group").map(|g| parse_group(g)).transpose()?;
+    let revision = |what: &str, v: &str| match v.parse::<i64>() {
+        Ok(n) if n >= 0 && v.bytes().all(|c| c.is_ascii_digit()) => Ok(n),
+        _ => Err(ApiError::bad(
+            "invalid_since",
+            format!("{what} {:?}: a non-negative integer (an etcd revision)", truncate(v)),
+        )),
+    };
+    let last_event_id = match headers.get("last-event-id") {
+        None => None,
+        Some(v) => Some(revision(
+            "Last-Event-ID",
+            v.to_str()
+                .map_err(|_| ApiError::bad("invalid_since", "Last-Event-ID is not text"))?
+                .trim(),
+        )?),
+    };
+    let since = match (last_event_id, q.get("since")) {
+        (Some(id), _) => Some(id),
+        (None, Some(s)) => Some(revision("since", s)?),
+        (None, None) => None,
+    };
+    ensure_ready(&shared)?;
+    let (cursor, from) = match shared.events.start(since) {
+        Ok(c) => c,
+        Err(crate::events::StartError::Compacted { floor }) => {
+            return Err(ApiError::new(
+                StatusCode::GONE,
+                "compacted",
+                format!(
+                    "events after revision {} are no longer kept here (this replica has them from revision {floor} on): reload with GET /v1/groups (it carries its revision), then resume with since=that revision",
+                    since.unwrap_or(0)
+                ),
+            ))
+        }
+    };
+    Ok(crate::events::stream(shared.clone(), cursor, from, group).into_response())
+}
+
+/// `GET /v1/health?group=G[&group=G2...]` (SPEC v3): 200 when every rank of the named groups
+/// is live and advancing, else 503 naming the ranks that are not and why.
+async fn health(State(shared): State<Arc<Shared>>, RawQuery(raw): RawQuery) -> Result<Response, ApiError> {
+    let pairs: Vec<(String, String)> = match raw.as_deref() {
+        None | Some("") => Vec::new(),
+        Some(q) => {
+            serde_urlencoded::from_str(q).map_err(|e| ApiError::bad("invalid_query", format!("query string: {e}")))?
+        }
+    };
+    let mut groups = Vec::new();
+    for (k, v) in pairs {
+        if k != "group" {
+            return Err(ApiError::bad(
+                "invalid_query",
+                format!(
+                    "unknown query parameter {:?}; allowed: group (repeatable)",
+                    truncate(&k)
+                ),
+            ));
+        }
+        groups.push(parse_group(&v)?);
+    }
+    if groups.is_empty() || groups.len() > 256 {
+        return Err(ApiError::bad(
+            "invalid_group",
+            "name 1 to 256 groups: /v1/health?group=G&group=G2 (an SGLang instance is one group per DP replica and role)",
+        ));
+    }
+    ensure_ready(&shared)?;
+    let index = shared.index.read().map_err(|_| ApiError::not_ready())?;
+    let ranks = index.unhealthy(&groups);
+    let revision = index.revision();
+    drop(index);
+    Ok(if ranks.is_empty() {
+        (StatusCode::OK, Json(json!({"healthy": true, "revision": revision}))).into_response()
+    } else {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({"healthy": false, "ranks": ranks, "revision": revision})),
+        )
+            .into_response()
+    })
 }
 
 async fn metrics(State(shared): State<Arc<Shared>>) -> Response {

@@ -5,10 +5,12 @@
 //!   acts on its outputs (metrics, persisting vanished live keys as certificates).
 //! - [`http`]: the API of SPEC section 6, including long-poll verdicts.
 //! - [`metrics`]: the metrics of SPEC section 8.
+//! - [`events`]: `GET /v1/events`, a bounded ring of rank changes and resolved rooms.
 //!
 //! Nothing lives only in memory: a restarted coordinator rebuilds the same index from etcd.
 
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
+pub mod events;
 pub mod http;
 pub mod metrics;
 pub mod presence;
@@ -72,6 +74,8 @@ pub struct Shared {
     /// Slots for long polls (see [`http::MAX_LONG_POLLS`]).
     pub long_polls: Arc<tokio::sync::Semaphore>,
     pub verdicts: http::VerdictCache,
+    /// v3: recent rank changes and resolved rooms for `GET /v1/events`.
+    pub events: events::EventLog,
 }
 
 impl Shared {
@@ -86,6 +90,7 @@ impl Shared {
                 config.max_long_polls.clamp(1, tokio::sync::Semaphore::MAX_PERMITS),
             )),
             verdicts: http::VerdictCache::default(),
+            events: events::EventLog::default(),
         }))
     }
 }

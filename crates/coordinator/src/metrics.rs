@@ -20,6 +20,8 @@ pub struct Metrics {
     pub http_duration: HistogramVec,
     pub http_connections: IntGauge,
     pub http_connections_refused: IntCounter,
+    pub rank_stalled: IntGaugeVec,
+    pub events_readers: IntGauge,
 }
 
 impl Metrics {
@@ -86,6 +88,16 @@ impl Metrics {
             "rootrank_http_connections_refused_total",
             "HTTP connections closed on arrival because --max-connections were open",
         )?;
+        let rank_stalled = IntGaugeVec::new(
+            Opts::new(
+                "rootrank_rank_stalled",
+                "1 while a live rank's loop is not advancing (its RankStall record exists), else 0",
+            ),
+            &["group", "rank"],
+        )?;
+        let events_readers = IntGauge::new("rootrank_events_readers", "Clients following GET /v1/events now")?;
+        registry.register(Box::new(rank_stalled.clone()))?;
+        registry.register(Box::new(events_readers.clone()))?;
         registry.register(Box::new(http_connections.clone()))?;
         registry.register(Box::new(http_connections_refused.clone()))?;
         registry.register(Box::new(root_causes.clone()))?;
@@ -101,7 +113,7 @@ impl Metrics {
         for s in ["resolved", "pending", "unknown"] {
             verdicts.with_label_values(&[s]);
         }
-        for k in ["key", "live", "down", "room"] {
+        for k in ["key", "live", "down", "room", "stall"] {
             invalid_records.with_label_values(&[k]);
         }
         Ok(Metrics {
@@ -117,6 +129,8 @@ impl Metrics {
             http_duration,
             http_connections,
             http_connections_refused,
+            rank_stalled,
+            events_readers,
         })
     }
 
@@ -127,6 +141,12 @@ impl Metrics {
             self.rank_up
                 .with_label_values(&[g.as_str(), &r.to_string()])
                 .set(i64::from(up));
+        }
+        self.rank_stalled.reset();
+        for (g, r, stalled) in index.rank_stalls() {
+            self.rank_stalled
+                .with_label_values(&[g.as_str(), &r.to_string()])
+                .set(i64::from(stalled));
         }
         self.index_rooms.set(index.room_count() as i64);
         let mut buf = Vec::new();

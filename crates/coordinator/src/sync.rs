@@ -139,6 +139,8 @@ async fn load(
         };
         let prev = idx.revision();
         *idx = fresh;
+        // Under the index lock, so no reader starts between the two.
+        shared.events.reset(revision);
         prev
     };
     // Counters count what happens while this process watches: a snapshot re-reads the
@@ -263,6 +265,8 @@ async fn watch(
             if msg.events().is_empty() && header_rev > 0 {
                 idx.advance_to(header_rev);
             }
+            // With the index at this batch, so a resolved room's event carries its verdict.
+            shared.events.append(&idx, &outputs, now);
         }
         handle_outputs(shared, outputs, cert_tx, logged, true);
         let rev = shared.index.read().map(|i| i.revision()).unwrap_or(0);
@@ -275,6 +279,7 @@ fn output_revision(o: &Output) -> i64 {
         Output::RecordAccepted { revision, .. }
         | Output::RoomResolved { revision, .. }
         | Output::LiveKeyVanished { revision, .. }
+        | Output::RankChanged { revision, .. }
         | Output::Invalid { revision, .. } => *revision,
     }
 }
@@ -321,6 +326,17 @@ fn handle_outputs(
             } => {
                 info!(%group, rank, %incarnation, "live key vanished without a certificate: recording lease_expired");
                 let _ = cert_tx.send(o);
+            }
+            Output::RankChanged {
+                group,
+                rank,
+                state,
+                reason,
+                ..
+            } => {
+                if live {
+                    info!(%group, rank, ?state, reason = reason.as_ref().map(|r| r.as_str()), "rank state changed");
+                }
             }
             Output::Invalid { kind, key, error, .. } => {
                 m.invalid_records.with_label_values(&[kind]).inc();

@@ -20,8 +20,9 @@ use serde::Serialize;
 
 use crate::ids::{reasons, GroupId, Incarnation, Rank, Reason, RoomId};
 use crate::keys::{KeyKind, Keys};
-use crate::records::{DownSource, ExitInfo, Origin, Peer, RankDown, RankLive, RecordError, RoomFailure};
+use crate::records::{DownSource, ExitInfo, Origin, Peer, RankDown, RankLive, RankStall, RecordError, RoomFailure};
 use crate::time;
+use crate::views::RankStateKind;
 
 /// Tunables of the verdict rules (SPEC section 5).
 #[derive(Clone, Debug)]
@@ -59,6 +60,9 @@ pub enum Event {
         value: Vec<u8>,
         lease: i64,
         revision: i64,
+        /// The key's create revision (etcd's `create_revision`): orders stall records, which
+        /// a second writer may update (node-watch adds the stack) without moving them.
+        create_revision: i64,
         observed_at_ms: i64,
     },
     /// `prev_lease` comes from the watch's previous key-value, when the shell asked for it.
@@ -111,6 +115,17 @@ pub enum Output {
         host: Option<String>,
         pid: Option<u32>,
         registered_revision: i64,
+    },
+    /// v3: a rank's state changed (for `GET /v1/events`): registered (`live`), died (`down`
+    /// or `shutdown`, with the reason as known at this revision; a later certificate that
+    /// refines it is another change), stalled, or resumed (`live` again).
+    RankChanged {
+        group: GroupId,
+        rank: Rank,
+        state: RankStateKind,
+        reason: Option<Reason>,
+        incarnation: Incarnation,
+        revision: i64,
     },
     /// A value under the prefix that is not a valid record: skipped.
     Invalid {
@@ -193,6 +208,14 @@ pub(crate) struct Death {
     pub(crate) victim: bool,
 }
 
+/// v3: a live rank whose loop stopped advancing (its `stall` key).
+#[derive(Clone, Debug)]
+pub(crate) struct Stall {
+    /// The stall key's create revision: the group's first stall by this order is the suspect.
+    pub(crate) revision: i64,
+    pub(crate) record: RankStall,
+}
+
 #[derive(Debug)]
 pub(crate) struct RoomRecord {
     pub(crate) group: GroupId,
@@ -269,6 +292,8 @@ pub struct Index {
     /// the ranks that published it, so a record naming its peer only by the address SGLang's
     /// decode errors carry leads to that peer's group (rules 5 and 7).
     pub(crate) endpoints: BTreeMap<String, BTreeSet<(GroupId, Rank)>>,
+    /// v3: stall records of live ranks (at most one per rank: the key rides on its lease).
+    pub(crate) stalls: BTreeMap<(GroupId, Rank), Stall>,
     record_count: usize,
     interned_reasons: HashSet<Reason>,
     /// While a snapshot loads: the latest time its events were observed. Rooms are decided
@@ -289,6 +314,7 @@ impl Index {
             local_counts: BTreeMap::new(),
             agents: BTreeMap::new(),
             endpoints: BTreeMap::new(),
+            stalls: BTreeMap::new(),
             unresolved: HashMap::new(),
             root_causes: BTreeSet::new(),
             record_count: 0,
@@ -379,8 +405,16 @@ impl Index {
                 value,
                 lease,
                 revision,
+                create_revision,
                 observed_at_ms,
-            } => self.apply_put(&key, &value, lease, revision, observed_at_ms, &mut out),
+            } => self.apply_put(
+                &key,
+                &value,
+                lease,
+                (revision, create_revision),
+                observed_at_ms,
+                &mut out,
+            ),
             Event::Delete {
                 key,
                 prev_lease,
@@ -391,7 +425,15 @@ impl Index {
         out
     }
 
-    fn apply_put(&mut self, key: &[u8], value: &[u8], lease: i64, revision: i64, now: i64, out: &mut Vec<Output>) {
+    fn apply_put(
+        &mut self,
+        key: &[u8],
+        value: &[u8],
+        lease: i64,
+        (revision, create_revision): (i64, i64),
+        now: i64,
+        out: &mut Vec<Output>,
+    ) {
         let invalid = |kind: &'static str, error: String| Output::Invalid {
             kind,
             key: String::from_utf8_lossy(key).into_owned(),
@@ -433,6 +475,18 @@ impl Index {
                 }
                 Ok(rec) => self.put_down(group, rank, rec, revision, now, out),
             },
+            KeyKind::Stall { group, rank } => match RankStall::parse(value) {
+                Err(e) => out.push(invalid("stall", e.to_string())),
+                Ok(rec) if rec.group != group || rec.rank != rank => out.push(invalid(
+                    "stall",
+                    RecordError::KeyMismatch(format!("value names {}/{}", rec.group, rec.rank)).to_string(),
+                )),
+                Ok(rec) if rec.incarnation.lease_id() != lease => out.push(invalid(
+                    "stall",
+                    "a stall record must ride on its incarnation's liveness lease".into(),
+                )),
+                Ok(rec) => self.put_stall(group, rank, rec, revision, create_revision.min(revision), out),
+            },
             KeyKind::Room { group, room, rank } => match RoomFailure::parse(value) {
                 Err(e) => out.push(invalid("room", e.to_string())),
                 Ok(rec) if rec.group != group || rec.rank != rank || rec.room != room => out.push(invalid(
@@ -461,6 +515,28 @@ impl Index {
                     "its live key vanished (lease expired, revoked or deleted) with no down certificate",
                 );
                 self.incarnation_ended(&group, rank, &live, revision, now, detail, out);
+            }
+            Some(KeyKind::Stall { group, rank }) => {
+                let Some(stall) = self.stalls.remove(&(group.clone(), rank)) else {
+                    return;
+                };
+                // Resumed, unless the rank is gone (its lease took the stall key along).
+                let inc = stall.record.incarnation;
+                let live = self
+                    .ranks
+                    .get(&(group.clone(), rank))
+                    .and_then(|s| s.live.as_ref())
+                    .is_some_and(|l| l.incarnation == inc);
+                if live && !self.deaths.contains_key(&(group.clone(), rank, inc)) {
+                    out.push(Output::RankChanged {
+                        group,
+                        rank,
+                        state: RankStateKind::Live,
+                        reason: None,
+                        incarnation: inc,
+                        revision,
+                    });
+                }
             }
             Some(KeyKind::Down {
                 group,
@@ -573,6 +649,14 @@ impl Index {
             }
         }
         state.live = Some(entry);
+        out.push(Output::RankChanged {
+            group: group.clone(),
+            rank,
+            state: RankStateKind::Live,
+            reason: None,
+            incarnation: inc,
+            revision,
+        });
         if let Some(old) = replaced {
             let detail = vanished_detail(
                 &old,
@@ -613,6 +697,15 @@ impl Index {
             victim: false,
         };
         self.deaths.insert((group.clone(), rank, inc), death);
+        self.drop_stall(group, rank, inc);
+        out.push(Output::RankChanged {
+            group: group.clone(),
+            rank,
+            state: RankStateKind::Down,
+            reason: Some(Reason::well_known(reasons::LEASE_EXPIRED)),
+            incarnation: inc,
+            revision,
+        });
         out.push(Output::LiveKeyVanished {
             group: group.clone(),
             rank,
@@ -712,8 +805,83 @@ impl Index {
             }
         }
         self.groups.entry(group.clone()).or_default();
+        self.drop_stall(&group, rank, rec.incarnation);
+        // A late certificate of an older incarnation says nothing about the rank now.
+        let current = self
+            .ranks
+            .get(&(group.clone(), rank))
+            .and_then(|s| s.live.as_ref())
+            .is_none_or(|l| l.incarnation == rec.incarnation);
+        if let Some(d) = self
+            .deaths
+            .get(&(group.clone(), rank, rec.incarnation))
+            .filter(|_| current)
+        {
+            out.push(Output::RankChanged {
+                group: group.clone(),
+                rank,
+                state: if is_shutdown {
+                    RankStateKind::Shutdown
+                } else {
+                    RankStateKind::Down
+                },
+                reason: Some(d.reason.clone()),
+                incarnation: rec.incarnation,
+                revision,
+            });
+        }
         if !is_shutdown {
             self.recheck_group(&group, revision, now, out);
+        }
+    }
+
+    /// A stall record of a live incarnation. One of an incarnation that is dead, or not the
+    /// rank's live one, describes nothing current and is ignored (its lease takes it soon).
+    fn put_stall(
+        &mut self,
+        group: GroupId,
+        rank: Rank,
+        rec: RankStall,
+        revision: i64,
+        create_revision: i64,
+        out: &mut Vec<Output>,
+    ) {
+        let inc = rec.incarnation;
+        let live = self
+            .ranks
+            .get(&(group.clone(), rank))
+            .and_then(|s| s.live.as_ref())
+            .is_some_and(|l| l.incarnation == inc);
+        if !live || self.deaths.contains_key(&(group.clone(), rank, inc)) {
+            return;
+        }
+        let new = self
+            .stalls
+            .insert(
+                (group.clone(), rank),
+                Stall {
+                    revision: create_revision,
+                    record: rec,
+                },
+            )
+            .is_none_or(|old| old.record.incarnation != inc);
+        if new {
+            out.push(Output::RankChanged {
+                group,
+                rank,
+                state: RankStateKind::Stalled,
+                reason: None,
+                incarnation: inc,
+                revision,
+            });
+        }
+    }
+
+    /// A dead incarnation stalls no more (its lease deletes the key too, a moment later).
+    fn drop_stall(&mut self, group: &GroupId, rank: Rank, inc: Incarnation) {
+        let key = (group.clone(), rank);
+        if self.stalls.get(&key).is_some_and(|s| s.record.incarnation == inc) {
+            self.stalls.remove(&key);
         }
     }
 

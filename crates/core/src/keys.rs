@@ -4,6 +4,7 @@
 //! {p}/groups/{group}/ranks/{rank}/live
 //! {p}/groups/{group}/ranks/{rank}/down/{incarnation}
 //! {p}/groups/{group}/ranks/{rank}/nixl          (rootrank extension: NIXL agent metadata)
+//! {p}/groups/{group}/ranks/{rank}/stall         (v3: RankStall, on the liveness lease)
 //! {p}/groups/{group}/rooms/{room}/ranks/{rank}
 //! {p}/coordinators/...
 //! ```
@@ -24,6 +25,11 @@ pub enum KeyKind {
     },
     /// A rank's NIXL agent metadata, on its liveness lease (used by the transfer agent).
     Nixl {
+        group: GroupId,
+        rank: Rank,
+    },
+    /// v3: the rank is alive but its loop stopped advancing (RankStall, on its liveness lease).
+    Stall {
         group: GroupId,
         rank: Rank,
     },
@@ -64,6 +70,9 @@ impl Keys {
     pub fn nixl(&self, group: &GroupId, rank: Rank) -> String {
         self.rank_attachment(group, rank, "nixl")
     }
+    pub fn stall(&self, group: &GroupId, rank: Rank) -> String {
+        self.rank_attachment(group, rank, "stall")
+    }
     /// A key an agent keeps on its rank's liveness lease (`nixl` is the one rootrank uses).
     pub fn rank_attachment(&self, group: &GroupId, rank: Rank, suffix: &str) -> String {
         format!("{}/groups/{group}/ranks/{rank}/{suffix}", self.prefix)
@@ -87,6 +96,10 @@ impl Keys {
                 rank: parse_rank(r).ok()?,
             }),
             ["groups", g, "ranks", r, "nixl"] => Some(KeyKind::Nixl {
+                group: GroupId::new(g).ok()?,
+                rank: parse_rank(r).ok()?,
+            }),
+            ["groups", g, "ranks", r, "stall"] => Some(KeyKind::Stall {
                 group: GroupId::new(g).ok()?,
                 rank: parse_rank(r).ok()?,
             }),
@@ -135,6 +148,13 @@ mod tests {
             Some(KeyKind::Room {
                 group: g.clone(),
                 room,
+                rank: 1
+            })
+        );
+        assert_eq!(
+            k.parse(k.stall(&g, 1).as_bytes()),
+            Some(KeyKind::Stall {
+                group: g.clone(),
                 rank: 1
             })
         );

@@ -27,9 +27,9 @@ pub use ids::{GroupId, IdError, Incarnation, Rank, Reason, RoomId};
 pub use index::RootCause;
 pub use index::{Event, Index, IndexConfig, Output};
 pub use keys::{KeyKind, Keys};
-pub use records::{DownSource, ExitInfo, Origin, Peer, RankDown, RankLive, RecordError, RoomFailure};
+pub use records::{DownSource, ExitInfo, Origin, Peer, RankDown, RankLive, RankStall, RecordError, RoomFailure};
 pub use verdict::{
     Action, CompactCause, CompactCulprit, CompactVerdict, Culprit, CulpritSource, Evidence, EvidenceKind, PeerRef,
     Status, Verdict, VerdictQuery, Victim,
 };
-pub use views::{GroupSummary, GroupView, RankStateKind, RankView};
+pub use views::{GroupSummary, GroupView, RankStateKind, RankView, StallRole, StallView, UnhealthyRank};

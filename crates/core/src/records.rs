@@ -183,6 +183,26 @@ pub struct RankDown {
     pub registered_revision: Option<i64>,
 }
 
+/// v3 `{p}/groups/{group}/ranks/{rank}/stall`, on the rank's liveness lease: the rank is
+/// alive (its agent thread keeps the lease) but its loop has not advanced for `stalled_ms`.
+/// Written once per stall by the rank's agent thread, deleted when the loop advances again.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RankStall {
+    pub v: u32,
+    pub group: GroupId,
+    pub rank: Rank,
+    pub incarnation: Incarnation,
+    /// When the loop last advanced (RFC 3339), for people: ordering is by etcd revision.
+    #[serde(default)]
+    pub since: Option<String>,
+    #[serde(default)]
+    pub stalled_ms: Option<u64>,
+    #[serde(default)]
+    pub in_flight: Option<Vec<RoomId>>,
+    #[serde(default)]
+    pub stack: Option<Vec<String>>,
+}
+
 /// Parses a record in one pass over its bytes (a coordinator parses a million of them at
 /// start-up). Only when that fails is the version read on its own, so a record of another
 /// schema version is reported as such rather than as whatever field it lacks.
@@ -248,6 +268,22 @@ impl RankDown {
         Ok(r)
     }
 }
+
+impl RankStall {
+    pub fn parse(raw: &[u8]) -> Result<Self, RecordError> {
+        let mut r: RankStall = parse_versioned(raw, |r: &RankStall| r.v)?;
+        if let Some(stack) = r.stack.as_mut() {
+            clamp_log_tail(stack);
+        }
+        if let Some(rooms) = r.in_flight.as_mut() {
+            rooms.truncate(MAX_IN_FLIGHT);
+        }
+        Ok(r)
+    }
+}
+
+/// A stall record lists at most this many rooms in flight (a rank has a few dozen at most).
+pub const MAX_IN_FLIGHT: usize = 256;
 
 /// Keeps the last [`MAX_LOG_TAIL_LINES`] lines, each cut to [`MAX_LOG_LINE_BYTES`].
 pub fn clamp_log_tail(tail: &mut Vec<String>) {

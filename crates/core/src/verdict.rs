@@ -493,7 +493,11 @@ impl Index {
         let culprit = decision.culprit(self, q.room);
         let cause = culprit.as_ref().and_then(|c| self.cause(q.room, &scope, c));
         let (status, action) = decision.status_action();
-        let explain = explain(&decision, culprit.as_ref(), &scope, &victims, q.room);
+        let mut explain = explain(&decision, culprit.as_ref(), &scope, &victims, q.room);
+        if culprit.is_none() {
+            // v3: a wedged rank fails nothing and dies of nothing; say so while nothing else is known.
+            explain.push_str(&self.stall_note(&groups));
+        }
         let advice = culprit.as_ref().map(|c| advice(c, cause.as_ref()));
         Verdict {
             room: q.room,
@@ -508,6 +512,32 @@ impl Index {
             revision: self.revision,
             explain,
         }
+    }
+
+    /// " prefill-0 rank 2 is stalled (alive, no progress for 12 s; stalled first: the suspect)."
+    /// for each stalled rank of `groups`, or nothing.
+    fn stall_note(&self, groups: &BTreeSet<GroupId>) -> String {
+        let mut note = String::new();
+        for g in groups {
+            let suspect = self.first_stall(g);
+            for ((_, rank), stall) in self.stalls.range((g.clone(), 0)..=(g.clone(), Rank::MAX)) {
+                if !self.is_stalled(g, *rank) {
+                    continue;
+                }
+                let for_s = stall
+                    .record
+                    .stalled_ms
+                    .map(|ms| format!(", no progress for {} s", ms / 1000))
+                    .unwrap_or_default();
+                let role = if suspect == Some(*rank) {
+                    "stalled first: the suspect"
+                } else {
+                    "waiting on the suspect"
+                };
+                note.push_str(&format!(" {g} rank {rank} is stalled (alive{for_s}; {role})."));
+            }
+        }
+        note
     }
 
     /// A scope's records and counted deaths as evidence, and its victims (rule 7).

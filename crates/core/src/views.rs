@@ -14,6 +14,38 @@ pub enum RankStateKind {
     Down,
     Missing,
     Shutdown,
+    /// v3: alive (its lease is kept) but its loop is not advancing.
+    Stalled,
+}
+
+/// v3: which stalled rank to look at. Every rank of a group waits in the next collective
+/// once one wedges, and each writes its stall record the same `stall_after_ms` after its own
+/// last progress: the first record by etcd revision is the rank that stopped first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StallRole {
+    Suspect,
+    Waiting,
+}
+
+/// v3: a stalled rank's stall record, as `GET /v1/groups/{group}` shows it.
+#[derive(Clone, Debug, Serialize)]
+pub struct StallView {
+    pub role: StallRole,
+    pub stalled_ms: Option<u64>,
+    pub in_flight: Option<Vec<crate::RoomId>>,
+    pub revision: i64,
+}
+
+/// v3: one rank that keeps a group from being healthy (`GET /v1/health`).
+#[derive(Clone, Debug, Serialize)]
+pub struct UnhealthyRank {
+    pub group: GroupId,
+    pub rank: Rank,
+    pub state: RankStateKind,
+    /// Why, in a few words: the death's reason, `stalled`, or `never registered`.
+    pub reason: String,
+    pub since: Option<String>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -25,6 +57,17 @@ pub struct RankView {
     pub incarnation: Option<Incarnation>,
     pub since: Option<String>,
     pub last_failure: Option<LastFailure>,
+    /// v3, when `state` is `stalled`: when the loop last advanced, per the rank.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stalled_since: Option<String>,
+    /// v3, when stalled and known (node-watch adds it): the stalled thread's stack.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stack: Option<Vec<String>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stall: Option<StallView>,
+    /// The death's reason when `state` is `down` or `shutdown`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<crate::Reason>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -41,6 +84,8 @@ pub struct GroupSummary {
     pub live: u32,
     pub down: u32,
     pub missing: u32,
+    /// v3: alive but not advancing (not counted in `live`).
+    pub stalled: u32,
     pub role: Option<String>,
 }
 
@@ -76,11 +121,17 @@ impl Index {
             // A certificate for the live incarnation (a fatal error reported before the lease
             // runs out) marks it down; one for an older incarnation never does.
             let own = self.deaths.get(&(group.clone(), rank, live.incarnation));
+            let stall = self
+                .stalls
+                .get(&(group.clone(), rank))
+                .filter(|s| s.record.incarnation == live.incarnation && own.is_none());
             let (state, since) = match own {
                 Some(d) if d.reason.is_shutdown() => (RankStateKind::Shutdown, d.at_ms),
                 Some(d) => (RankStateKind::Down, d.at_ms),
+                None if stall.is_some() => (RankStateKind::Stalled, live.registered_at_ms),
                 None => (RankStateKind::Live, live.registered_at_ms),
             };
+            let first_stall = self.first_stall(group);
             return RankView {
                 rank,
                 state,
@@ -89,6 +140,19 @@ impl Index {
                 incarnation: Some(live.incarnation),
                 since: Some(time::format_ms(since)),
                 last_failure,
+                stalled_since: stall.and_then(|s| s.record.since.clone()),
+                stack: stall.and_then(|s| s.record.stack.clone()),
+                stall: stall.map(|s| StallView {
+                    role: if first_stall == Some(rank) {
+                        StallRole::Suspect
+                    } else {
+                        StallRole::Waiting
+                    },
+                    stalled_ms: s.record.stalled_ms,
+                    in_flight: s.record.in_flight.clone(),
+                    revision: s.revision,
+                }),
+                reason: own.map(|d| d.reason.clone()),
             };
         }
         match newest_death {
@@ -107,6 +171,10 @@ impl Index {
                     incarnation: Some(*inc),
                     since: Some(time::format_ms(d.at_ms)),
                     last_failure,
+                    stalled_since: None,
+                    stack: None,
+                    stall: None,
+                    reason: Some(d.reason.clone()),
                 }
             }
             None => RankView {
@@ -117,6 +185,10 @@ impl Index {
                 incarnation: None,
                 since: None,
                 last_failure,
+                stalled_since: None,
+                stack: None,
+                stall: None,
+                reason: None,
             },
         }
     }
@@ -134,6 +206,7 @@ impl Index {
                     live: count(RankStateKind::Live),
                     down: count(RankStateKind::Down),
                     missing: count(RankStateKind::Missing),
+                    stalled: count(RankStateKind::Stalled),
                     role: info.role.clone(),
                 })
             })
@@ -148,11 +221,88 @@ impl Index {
             if let Some(view) = self.group(g) {
                 for r in view.ranks {
                     match r.state {
-                        RankStateKind::Live => out.push((g.clone(), r.rank, true)),
+                        RankStateKind::Live | RankStateKind::Stalled => out.push((g.clone(), r.rank, true)),
                         RankStateKind::Down => out.push((g.clone(), r.rank, false)),
                         RankStateKind::Shutdown | RankStateKind::Missing => {}
                     }
                 }
+            }
+        }
+        out
+    }
+
+    /// Stalled ranks (`rootrank_rank_stalled`): 1 for each live rank with a stall record, 0
+    /// for the other live ranks, so a resumed rank's series drops back to 0.
+    pub fn rank_stalls(&self) -> Vec<(GroupId, Rank, bool)> {
+        self.rank_liveness()
+            .into_iter()
+            .filter(|(_, _, up)| *up)
+            .map(|(g, r, _)| {
+                let stalled = self.is_stalled(&g, r);
+                (g, r, stalled)
+            })
+            .collect()
+    }
+
+    pub(crate) fn is_stalled(&self, group: &GroupId, rank: Rank) -> bool {
+        let key = (group.clone(), rank);
+        let Some(live) = self.ranks.get(&key).and_then(|s| s.live.as_ref()) else {
+            return false;
+        };
+        self.stalls
+            .get(&key)
+            .is_some_and(|s| s.record.incarnation == live.incarnation)
+            && !self.deaths.contains_key(&(group.clone(), rank, live.incarnation))
+    }
+
+    /// The rank of `group` whose stall record came first (by create revision): the suspect.
+    pub fn first_stall(&self, group: &GroupId) -> Option<Rank> {
+        self.stalls
+            .range((group.clone(), 0)..=(group.clone(), Rank::MAX))
+            .filter(|((g, r), _)| self.is_stalled(g, *r))
+            .min_by_key(|(_, s)| s.revision)
+            .map(|((_, r), _)| *r)
+    }
+
+    /// v3 `GET /v1/health`: the ranks of `groups` that are down, missing, stalled or gone
+    /// (shut down); empty when every rank of every named group is live and advancing. A group
+    /// never seen is one unhealthy entry (rank 0, missing): a probe must not pass on a typo.
+    pub fn unhealthy(&self, groups: &[GroupId]) -> Vec<UnhealthyRank> {
+        let mut out = Vec::new();
+        for g in groups {
+            let Some(view) = self.group(g) else {
+                out.push(UnhealthyRank {
+                    group: g.clone(),
+                    rank: 0,
+                    state: RankStateKind::Missing,
+                    reason: "group never registered".into(),
+                    since: None,
+                });
+                continue;
+            };
+            for r in view.ranks {
+                let reason = match r.state {
+                    RankStateKind::Live => continue,
+                    RankStateKind::Stalled => match r.stall.as_ref().and_then(|s| s.stalled_ms) {
+                        Some(ms) => format!("stalled (no progress for {} s)", ms / 1000),
+                        None => "stalled".to_string(),
+                    },
+                    RankStateKind::Missing => "never registered".to_string(),
+                    RankStateKind::Down | RankStateKind::Shutdown => {
+                        r.reason.as_ref().map_or_else(|| "down".to_string(), |x| x.to_string())
+                    }
+                };
+                out.push(UnhealthyRank {
+                    group: g.clone(),
+                    rank: r.rank,
+                    state: r.state,
+                    reason,
+                    since: if r.state == RankStateKind::Stalled {
+                        r.stalled_since.clone()
+                    } else {
+                        r.since.clone()
+                    },
+                });
             }
         }
         out
@@ -201,6 +351,20 @@ impl Index {
         list.sort_by(|a, b| b.revision.cmp(&a.revision).then(a.room.cmp(&b.room)));
         list.truncate(limit);
         list
+    }
+
+    /// The endpoints (`RankLive.endpoints`) an incarnation of a rank published, for events
+    /// whose readers know their peers only by address (a decode's prefill bootstrap address).
+    pub fn rank_endpoints(&self, group: &GroupId, rank: Rank, incarnation: Incarnation) -> &[String] {
+        self.ranks
+            .get(&(group.clone(), rank))
+            .and_then(|s| s.history.iter().find(|h| h.incarnation == incarnation))
+            .map_or(&[], |h| h.record.endpoints.as_slice())
+    }
+
+    /// The role its ranks registered with (`prefill`, `decode`), when they said.
+    pub fn group_role(&self, group: &GroupId) -> Option<&str> {
+        self.groups.get(group).and_then(|g| g.role.as_deref())
     }
 
     /// Whether a group was ever seen (live record, death or room record).

@@ -79,6 +79,7 @@ fn snapshot_events(w: &World) -> Vec<rootrank_core::Event> {
             value: v.clone(),
             lease: *lease,
             revision: *rev,
+            create_revision: w.created.get(k).copied().unwrap_or(*rev),
             observed_at_ms: w.now,
         })
         .collect()

@@ -694,3 +694,168 @@ fn rule7_an_endpoint_shared_by_dp_groups_picks_the_group_with_the_room() {
         ("prefill-a-dp1", 0, "nixl_error")
     );
 }
+
+// ---- v3: stalls (RankStall records on the liveness lease)
+
+fn key_stall(g: &str, r: u32) -> String {
+    format!("/rootrank/v1/groups/{g}/ranks/{r}/stall")
+}
+
+fn stall(w: &mut World, g: &str, r: u32, stack: Option<&[&str]>) {
+    let inc = w.incarnation(g, r);
+    let v = serde_json::json!({"v":1,"group":g,"rank":r,"incarnation":inc.to_string(),
+        "since":"2026-12-03T01:00:00.000Z","stalled_ms":12_000,"in_flight":["42"],"stack":stack});
+    w.put_raw(&key_stall(g, r), v.to_string().into_bytes(), inc);
+}
+
+fn snapshot_of(w: &World) -> rootrank_core::Index {
+    let mut idx = rootrank_core::Index::new(rootrank_core::IndexConfig::default());
+    let events =
+        w.kv.iter()
+            .map(|(k, (v, lease, rev))| rootrank_core::Event::Put {
+                key: k.as_bytes().to_vec(),
+                value: v.clone(),
+                lease: *lease,
+                revision: *rev,
+                create_revision: w.created[k],
+                observed_at_ms: w.now,
+            })
+            .collect();
+    idx.load_snapshot(events, w.rev);
+    idx
+}
+
+fn states(idx: &rootrank_core::Index) -> Vec<RankStateKind> {
+    let g = rootrank_core::GroupId::new(G).unwrap();
+    idx.group(&g).unwrap().ranks.iter().map(|r| r.state).collect()
+}
+
+#[test]
+fn v3_the_first_stall_by_revision_is_the_suspect_and_the_others_wait() {
+    let mut w = World::new();
+    group_of_four(&mut w);
+    w.outputs.clear();
+    stall(&mut w, G, 2, None);
+    assert!(
+        w.outputs.iter().any(|o| matches!(
+            o,
+            Output::RankChanged {
+                rank: 2,
+                state: RankStateKind::Stalled,
+                ..
+            }
+        )),
+        "{:?}",
+        w.outputs
+    );
+    stall(&mut w, G, 0, None);
+    stall(&mut w, G, 1, None);
+    // node-watch adds rank 2's stack later: a rewrite does not move its place in the order.
+    stall(
+        &mut w,
+        G,
+        2,
+        Some(&["Thread 0x7f (active): \"MainThread\"", "    recv (socket.py:12)"]),
+    );
+    let g = rootrank_core::GroupId::new(G).unwrap();
+    let view = w.index.group(&g).unwrap();
+    let s = &view.ranks[2];
+    assert_eq!(s.state, RankStateKind::Stalled);
+    assert_eq!(s.stall.as_ref().unwrap().role, rootrank_core::StallRole::Suspect);
+    assert_eq!(s.stack.as_ref().unwrap().len(), 2);
+    assert_eq!(
+        view.ranks[0].stall.as_ref().unwrap().role,
+        rootrank_core::StallRole::Waiting
+    );
+    assert_eq!(view.ranks[3].state, RankStateKind::Live);
+    assert_eq!(w.index.first_stall(&g), Some(2));
+    // A reload sees the same suspect (create revision, not the rewrite's).
+    assert_eq!(snapshot_of(&w).first_stall(&g), Some(2));
+    assert_eq!(states(&snapshot_of(&w)), states(&w.index));
+    // Health names the three stalled ranks; the metric says stalled but up.
+    let unhealthy = w.index.unhealthy(std::slice::from_ref(&g));
+    assert_eq!(unhealthy.iter().map(|u| u.rank).collect::<Vec<_>>(), vec![0, 1, 2]);
+    assert!(unhealthy[0].reason.contains("12 s"), "{:?}", unhealthy[0]);
+    assert_eq!(w.index.rank_stalls().iter().filter(|(_, _, s)| *s).count(), 3);
+    assert!(w.index.rank_liveness().iter().all(|(_, _, up)| *up));
+    // A room waiting on the group says who is stalled while nothing else is known.
+    w.record(G, 0, 42, "propagated", "other");
+    let v = w.verdict(42, None);
+    assert_eq!(v.status, Status::Pending);
+    assert!(
+        v.explain
+            .contains("prefill-0 rank 2 is stalled (alive, no progress for 12 s; stalled first: the suspect)"),
+        "{}",
+        v.explain
+    );
+    // Rank 2 advances again: live, and rank 0 (next by revision) is the suspect.
+    w.outputs.clear();
+    w.delete_raw(&key_stall(G, 2));
+    assert!(
+        w.outputs.iter().any(|o| matches!(
+            o,
+            Output::RankChanged {
+                rank: 2,
+                state: RankStateKind::Live,
+                ..
+            }
+        )),
+        "{:?}",
+        w.outputs
+    );
+    assert_eq!(w.index.first_stall(&g), Some(0));
+    // Rank 0 dies while stalled: down, not stalled; its lease takes the stall key along.
+    w.outputs.clear();
+    w.vanish(G, 0);
+    w.delete_raw(&key_stall(G, 0));
+    assert_eq!(states(&w.index)[0], RankStateKind::Down);
+    assert!(
+        w.outputs.iter().any(|o| matches!(
+            o,
+            Output::RankChanged {
+                rank: 0,
+                state: RankStateKind::Down,
+                ..
+            }
+        )),
+        "{:?}",
+        w.outputs
+    );
+    assert!(
+        !w.outputs.iter().any(|o| matches!(
+            o,
+            Output::RankChanged {
+                rank: 0,
+                state: RankStateKind::Live,
+                ..
+            }
+        )),
+        "{:?}",
+        w.outputs
+    );
+    assert_eq!(w.index.first_stall(&g), Some(1));
+    assert!(w.index.unhealthy(&[rootrank_core::GroupId::new("nobody").unwrap()])[0]
+        .reason
+        .contains("never registered"));
+}
+
+#[test]
+fn v3_a_stall_record_off_its_incarnations_lease_is_invalid_and_changes_nothing() {
+    let mut w = World::new();
+    group_of_four(&mut w);
+    w.outputs.clear();
+    let inc = w.incarnation(G, 1);
+    let v = serde_json::json!({"v":1,"group":G,"rank":1,"incarnation":inc.to_string()});
+    w.put_raw(&key_stall(G, 1), v.to_string().into_bytes(), inc + 100);
+    w.put_raw(&key_stall(G, 2), b"{\"v\":1,\"group\":\"prefill-0\"}".to_vec(), inc);
+    let kinds: Vec<_> = w
+        .outputs
+        .iter()
+        .filter_map(|o| match o {
+            Output::Invalid { kind, .. } => Some(*kind),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(kinds, vec!["stall", "stall"]);
+    assert!(states(&w.index).iter().all(|s| *s == RankStateKind::Live));
+}

@@ -165,6 +165,8 @@ fn peer_from(py: Python<'_>, peer: Option<&Bound<'_, PyDict>>) -> PyResult<Optio
 #[pyclass(name = "Agent", module = "rootrank._rootrank", frozen)]
 pub struct PyAgent {
     agent: Mutex<Option<Arc<Agent>>>,
+    /// Outside the lock: `progress()` is one atomic add per scheduler iteration.
+    progress: rootrank_agent::Progress,
     group: String,
     rank: u32,
     group_size: u32,
@@ -194,7 +196,7 @@ impl PyAgent {
 #[pymethods]
 impl PyAgent {
     #[new]
-    #[pyo3(signature = (group, rank, group_size, *, etcd_endpoints=None, prefix=None, lease_ttl_ms=5000, role=None, retention_s=600.0, queue_capacity=10000, host=None, nixl_agent=None, gpu=None, endpoints=None))]
+    #[pyo3(signature = (group, rank, group_size, *, etcd_endpoints=None, prefix=None, lease_ttl_ms=5000, role=None, retention_s=600.0, queue_capacity=10000, host=None, nixl_agent=None, gpu=None, endpoints=None, stall_after_ms=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -211,6 +213,7 @@ impl PyAgent {
         nixl_agent: Option<String>,
         gpu: Option<String>,
         endpoints: Option<Vec<String>>,
+        stall_after_ms: Option<i64>,
     ) -> PyResult<Self> {
         let etcd = endpoints_from(py, etcd_endpoints)?;
         let (rank_u, size_u) = match (u64::try_from(rank), u64::try_from(group_size)) {
@@ -272,10 +275,17 @@ impl PyAgent {
         }
         config.nixl_agent = nixl_agent;
         config.gpu = gpu;
+        if let Some(ms) = stall_after_ms {
+            if !(100..=86_400_000).contains(&ms) {
+                return Err(invalid(py, format!("stall_after_ms {ms} outside 100..=86400000")));
+            }
+            config.stall_after = Duration::from_millis(ms as u64);
+        }
         config.log = Some(log_dispatch());
         let (group, rank, group_size) = (config.group.to_string(), config.rank, config.group_size);
         let agent = Agent::start(config).map_err(|e| agent_error(py, e))?;
         Ok(PyAgent {
+            progress: agent.progress_handle(),
             agent: Mutex::new(Some(Arc::new(agent))),
             group,
             rank,
@@ -385,6 +395,14 @@ impl PyAgent {
         let timeout = duration_from_secs(timeout_s);
         // The stopped agent stays in place for its counters.
         py.detach(move || agent.shutdown(timeout))
+    }
+
+    /// One iteration of the rank's loop (v3 stalls): call it once per scheduler iteration.
+    /// One relaxed atomic add: no lock, no allocation, no GIL release. When the count stops
+    /// moving for ``stall_after_ms`` (default 10000) the agent's own thread writes this rank's
+    /// stall record; it deletes it when the count moves again. Never called: never stalled.
+    fn progress(&self) {
+        self.progress.tick();
     }
 
     /// The current incarnation (liveness lease id, decimal string), once registered.

@@ -119,12 +119,14 @@ pub async fn snapshot_pages(
 pub fn put_event(kv: KeyValue, observed_at_ms: i64) -> Event {
     let lease = kv.lease();
     let revision = kv.mod_revision();
+    let create_revision = kv.create_revision();
     let (key, value) = kv.into_key_value();
     Event::Put {
         key,
         value,
         lease,
         revision,
+        create_revision,
         observed_at_ms,
     }
 }

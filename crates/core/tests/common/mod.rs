@@ -13,6 +13,8 @@ pub struct World {
     pub index: Index,
     pub events: Vec<Event>,
     pub kv: BTreeMap<String, (Vec<u8>, i64, i64)>, // value, lease, mod_revision
+    /// Each present key's create revision.
+    pub created: BTreeMap<String, i64>,
     pub rev: i64,
     pub now: i64,
     next_lease: i64,
@@ -47,6 +49,7 @@ impl World {
             index: Index::new(IndexConfig::default()),
             events: Vec::new(),
             kv: BTreeMap::new(),
+            created: BTreeMap::new(),
             rev: 1,
             now: T0,
             next_lease: 7000,
@@ -102,11 +105,13 @@ impl World {
     pub fn put_raw(&mut self, key: &str, value: Vec<u8>, lease: i64) {
         self.rev += 1;
         self.kv.insert(key.to_string(), (value.clone(), lease, self.rev));
+        let create_revision = *self.created.entry(key.to_string()).or_insert(self.rev);
         let ev = Event::Put {
             key: key.as_bytes().to_vec(),
             value,
             lease,
             revision: self.rev,
+            create_revision,
             observed_at_ms: self.now,
         };
         self.emit(ev);
@@ -116,6 +121,7 @@ impl World {
         let Some((_, lease, _)) = self.kv.remove(key) else {
             return;
         };
+        self.created.remove(key);
         self.rev += 1;
         let ev = Event::Delete {
             key: key.as_bytes().to_vec(),

@@ -32,6 +32,7 @@ class Agent:
         nixl_agent: str | None = None,
         gpu: str | None = None,
         endpoints: Sequence[str] | None = None,
+        stall_after_ms: int | None = None,
     ) -> None: ...
     def record_failure(
         self,
@@ -43,6 +44,8 @@ class Agent:
         peer: Peer | Mapping[str, object] | None = None,
     ) -> bool:
         """Enqueue a room failure record; False when the queue was full (dropped)."""
+    def progress(self) -> None:
+        """One iteration of the rank's loop (v3 stalls): one atomic add, no lock."""
     def record_down(self, reason: str, detail: str = "", *, log_tail: list[str] | None = None) -> bool:
         """Enqueue this incarnation's down certificate (a fatal error)."""
     def flush(self, timeout_s: float = 5.0) -> bool:

@@ -13,7 +13,7 @@ import os
 import threading
 import time
 import urllib.parse
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
 from rootrank.errors import CoordinatorError, CoordinatorUnavailable, InvalidInput, NotFound
 
@@ -161,7 +161,97 @@ class Coordinator:
         body = self._get(path, self._timeout_s)
         return body["failures"] if isinstance(body, dict) and "failures" in body else body
 
-    def _get(self, path: str, timeout_s: float) -> Any:
+    def health(self, groups: Union[str, Sequence[str]]) -> Dict[str, Any]:
+        """``GET /v1/health`` (v3): ``{"healthy": True}`` when every rank of ``groups`` (one
+        name or several: an SGLang instance is one group per DP replica and role) is live and
+        advancing, else ``{"healthy": False, "ranks": [...]}`` naming the ranks that are
+        down, missing or stalled, and why."""
+        names = [groups] if isinstance(groups, str) else list(groups)
+        if not names:
+            raise InvalidInput("health() needs at least one group")
+        path = "/v1/health?" + urllib.parse.urlencode([("group", g) for g in names])
+        return self._get(path, self._timeout_s, answers=(200, 503), healthy_503=True)
+
+    def events(
+        self,
+        since: Optional[int] = None,
+        group: Optional[str] = None,
+        *,
+        idle_timeout_s: float = 45.0,
+        stop: Optional[threading.Event] = None,
+    ) -> Iterator[Dict[str, Any]]:
+        """Follows ``GET /v1/events`` (v3): yields each event (a dict with ``"event"``:
+        ``"rank"`` or ``"resolved"``, and ``"revision"``) from after revision ``since`` (from
+        now with ``None``). Reconnects on its own, to the next replica too, resuming after the
+        last revision it yielded; a coordinator that no longer has that revision answers 410
+        and this raises :class:`CoordinatorError` with ``code == "compacted"`` (reload with
+        :meth:`groups`, whose answer carries ``revision``, then call again with it). Ends
+        when ``stop`` is set (checked at least every ``idle_timeout_s``; the coordinator sends
+        a keep-alive every 15 s)."""
+        last = since
+        pause = 0.2
+        i = self._preferred
+        while stop is None or not stop.is_set():
+            replica = self._replicas[i % len(self._replicas)]
+            query = []
+            if last is not None:
+                query.append(("since", str(last)))
+            if group is not None:
+                query.append(("group", group))
+            path = replica.base + "/v1/events" + ("?" + urllib.parse.urlencode(query) if query else "")
+            conn = http.client.HTTPConnection(replica.host, replica.port, timeout=idle_timeout_s)
+            try:
+                conn.request("GET", path, headers={"Accept": "text/event-stream"})
+                resp = conn.getresponse()
+                if resp.status != 200:
+                    err = _error_from(replica.url, resp.status, resp.read())
+                    if resp.status in (400, 404, 410):
+                        raise err
+                    raise OSError(str(err))
+                pause = 0.2
+                data: List[str] = []
+                event_id: Optional[str] = None
+                while stop is None or not stop.is_set():
+                    raw = resp.fp.readline(1 << 20)
+                    if not raw:
+                        break  # the server ended the stream: resume
+                    line = raw.decode("utf-8", "replace").rstrip("\r\n")
+                    if line == "":
+                        if event_id is not None and event_id.isdigit():
+                            # An id with no data (the stream's first line) is where it starts.
+                            last = int(event_id)
+                        if data:
+                            body = "\n".join(data)
+                            data = []
+                            try:
+                                ev = json.loads(body)
+                            except ValueError:
+                                continue
+                            if isinstance(ev, dict) and ev.get("event") == "error":
+                                break  # cut off (a slow reader, a reload): resume
+                            yield ev
+                        event_id = None
+                        continue
+                    if line.startswith(":"):
+                        continue
+                    field, _, value = line.partition(":")
+                    value = value[1:] if value.startswith(" ") else value
+                    if field == "data":
+                        data.append(value)
+                    elif field == "id":
+                        event_id = value
+            except (OSError, http.client.HTTPException):
+                i += 1  # the next replica, after a pause
+                if stop is not None:
+                    if stop.wait(pause):
+                        return
+                else:
+                    time.sleep(pause)
+                pause = min(pause * 2, 2.0)
+            finally:
+                conn.close()
+
+    def _get(self, path: str, timeout_s: float, *, answers: tuple = (200,), healthy_503: bool = False) -> Any:
         deadline = time.monotonic() + max(0.0, timeout_s)
         last_error: Optional[BaseException] = None
         with self._lock:
@@ -177,11 +267,11 @@ class Coordinator:
                 except (OSError, http.client.HTTPException) as e:
                     last_error = e
                     continue
-                if status == 503:
+                if status == 503 and not (healthy_503 and b'"healthy"' in body):
                     last_error = _error_from(replica.url, status, body)
                     continue
                 self._preferred = idx
-                if status == 200:
+                if status in answers:
                     try:
                         return json.loads(body)
                     except ValueError as e:

@@ -26,7 +26,11 @@ allowlist without ``rootrank``) or by unsetting ``ROOTRANK_ETCD_ENDPOINTS``.
 Settings (environment): ``ROOTRANK_ETCD_ENDPOINTS`` (required), ``ROOTRANK_COORDINATOR``
 (replicas, comma-separated), ``ROOTRANK_PREFIX``, ``ROOTRANK_VERDICT_BUDGET_MS`` (default
 100), ``ROOTRANK_LEASE_TTL_MS`` (default 5000), ``ROOTRANK_INSTANCE`` (names this SGLang
-instance in the group name instead of its address).
+instance in the group name instead of its address), ``ROOTRANK_STALL_AFTER_MS`` (default
+10000: a rank whose scheduler loop makes no iteration for that long is published stalled),
+``ROOTRANK_FAIL_FAST`` (default on; ``0`` turns it off: a decode rank fails the rooms of a
+prefill instance the coordinator knows is down, or whose verdict resolved, at once instead
+of after SGLang's own timeouts; needs ``ROOTRANK_COORDINATOR``).
 """
 
 from __future__ import annotations
@@ -70,6 +74,7 @@ _stats: Dict[str, int] = {
     "peer_reported_published": 0,
     "fallbacks_rewritten": 0,
     "fallbacks_pending": 0,
+    "fail_fast_rooms": 0,
     "errors": 0,
 }
 _errors_logged: set = set()
@@ -77,6 +82,9 @@ _plugin: Optional["_Plugin"] = None
 # Set on the decode listener thread while SGLang applies a prefill's Failed status: the
 # record it writes is the prefill's failure, reported to us (room, peer).
 _told = threading.local()
+# Fail fast: bootstrap address -> the words that name why it is gone, appended to SGLang's
+# own "Lost connection with prefill instance" text when the follower fails its rooms.
+_fail_fast_notes: Dict[str, str] = {}
 _register_lock = threading.Lock()
 
 
@@ -270,6 +278,8 @@ class _FailureRecords(dict):
     __slots__ = ("_rootrank_rank", "_rootrank_mgr")
 
     def __setitem__(self, room: Any, reason: Any) -> None:
+        if _fail_fast_notes and isinstance(reason, str):
+            reason = _with_fail_fast_note(reason)
         dict.__setitem__(self, room, reason)
         self._publish(room, reason)
 
@@ -325,6 +335,19 @@ class _Plugin:
         self.burst_deadline = 0.0
         self.follow: "queue.Queue[Tuple[int, str, int, str, float]]" = queue.Queue(maxsize=10000)
         self.follower: Optional[threading.Thread] = None
+        self.stall_after_ms: Optional[int] = None
+        stall = os.environ.get("ROOTRANK_STALL_AFTER_MS", "").strip()
+        if stall:
+            try:
+                self.stall_after_ms = int(stall)
+            except ValueError:
+                logger.warning("rootrank: ROOTRANK_STALL_AFTER_MS=%r is not an integer; using 10000", stall)
+        self.fail_fast = os.environ.get("ROOTRANK_FAIL_FAST", "1").strip() not in ("0", "false", "no", "off")
+        self.fail_fast_thread: Optional[threading.Thread] = None
+        self.fail_fast_stop = threading.Event()
+        # Whether Scheduler.ingest_requests is hooked: then the budget's epoch is one
+        # scheduler iteration (else one poll call, as before SGLang had that method).
+        self.per_iteration = False
 
     # ---- registration
 
@@ -344,6 +367,7 @@ class _Plugin:
                 role=role,
                 nixl_agent=nixl if isinstance(nixl, str) else None,
                 endpoints=endpoints_of(kv_mgr),
+                stall_after_ms=self.stall_after_ms,
             )
             r = _Rank(agent, group, rank, role)
             self.ranks[group] = r
@@ -357,6 +381,97 @@ class _Plugin:
         # Reasons recorded before the hook (none in practice) are published too.
         for room, reason in list(records.items()):
             r.publish_local(kv_mgr, room, reason)
+        if role == "decode" and self.fail_fast and self.coordinator is not None and self.fail_fast_thread is None:
+            self.fail_fast_thread = threading.Thread(target=self._fail_fast_loop, name="rootrank-fail-fast", daemon=True)
+            self.fail_fast_thread.start()
+
+    # ---- one scheduler iteration
+
+    def on_iteration(self) -> None:
+        """Called once per scheduler iteration (before SGLang's input broadcast, so a rank
+        blocked in that collective counted its iteration and the rank that stopped first is
+        the one whose stall record comes first)."""
+        self.epoch += 1
+        for r in self.ranks.values():
+            r.agent.progress()
+
+    # ---- fail fast (decode): a background thread, like SGLang's own heartbeat checker
+
+    def _fail_fast_loop(self) -> None:
+        from rootrank.coordinator import Coordinator
+        from rootrank.errors import CoordinatorError
+
+        client = Coordinator(self.coordinator.urls) if self.coordinator else None
+        since = None
+        while client is not None and not self.fail_fast_stop.is_set():
+            try:
+                for ev in client.events(since, stop=self.fail_fast_stop):
+                    since = ev.get("revision", since)
+                    kind = ev.get("event")
+                    if kind == "rank" and ev.get("state") == "down":
+                        self.on_peer_down(ev)
+                    elif kind == "resolved":
+                        self.on_room_resolved(ev.get("verdict") or {})
+            except CoordinatorError as e:
+                if getattr(e, "code", None) == "compacted":
+                    since = None  # what happened in the gap: SGLang's own timeouts still apply
+                else:
+                    _fault("fail-fast events")
+                    self.fail_fast_stop.wait(2.0)
+            except Exception:
+                _fault("fail-fast events")
+                self.fail_fast_stop.wait(2.0)
+
+    def _decode_managers(self) -> List[Any]:
+        return [m for r in list(self.ranks.values()) if r.role == "decode" for m in list(r.managers)]
+
+    def on_peer_down(self, ev: Dict[str, Any]) -> None:
+        """A rank of a prefill instance is down: the instance is gone (SGLang ends every
+        rank of an instance when one dies), so its rooms fail now, through SGLang's own
+        node-failure path, as its heartbeat would after missing ``max_failures`` beats."""
+        endpoints = set(ev.get("endpoints") or ())
+        if not endpoints:
+            return
+        note = "(rootrank: {} rank {} is down: {})".format(ev.get("group"), ev.get("rank"), ev.get("reason") or "down")
+        for kv_mgr in self._decode_managers():
+            tracker = getattr(kv_mgr, "addr_to_rooms_tracker", None)
+            handle = getattr(kv_mgr, "_handle_node_failure", None)
+            if not isinstance(tracker, dict) or handle is None:
+                continue
+            for addr in [a for a in list(tracker.keys()) if a in endpoints]:
+                rooms = len(tracker.get(addr) or ())
+                _fail_fast_notes[addr] = note
+                logger.warning("rootrank: prefill %s is gone %s: failing its %d room(s) now instead of after SGLang's timeouts",
+                               addr, note, rooms)
+                handle(addr)
+                _stats["fail_fast_rooms"] += rooms
+
+    def on_room_resolved(self, verdict: Dict[str, Any]) -> None:
+        """A room's verdict resolved with its culprit in another group (the prefill): if this
+        decode rank still waits on that room, it fails it now, naming the culprit."""
+        culprit = verdict.get("culprit") or {}
+        try:
+            room = int(verdict.get("room"))
+        except (TypeError, ValueError):
+            return
+        own = {r.group for r in self.ranks.values()}
+        if not culprit or culprit.get("group") in own:
+            return
+        text = "rootrank fail-fast: {} rank {} failed room {}: {} ({})".format(
+            culprit.get("group"), culprit.get("rank"), room, culprit.get("reason"), culprit.get("source"))
+        for kv_mgr in self._decode_managers():
+            status = getattr(kv_mgr, "request_status", {}).get(room)
+            if status is None or int(status) in (FAILED, SUCCESS):
+                continue
+            _told.by = (room, {"group": culprit.get("group"), "rank": culprit.get("rank")})
+            try:
+                kv_mgr.record_failure(room, text)
+            finally:
+                _told.by = None
+            from sglang.srt.disaggregation.base.conn import KVPoll
+
+            kv_mgr.update_status(room, KVPoll.Failed)
+            _stats["fail_fast_rooms"] += 1
 
     # ---- local Failed polls
 
@@ -530,6 +645,13 @@ class _Plugin:
             _fault("exit")
 
 
+def _with_fail_fast_note(reason: str) -> str:
+    for addr, note in list(_fail_fast_notes.items()):
+        if addr in reason and note not in reason:
+            return f"{reason} {note}"
+    return reason
+
+
 def _rooms_in_flight(managers: List[Any], limit: int = 4096) -> List[int]:
     """Rooms a rank's KV managers hold that have not concluded (bounded)."""
     rooms: List[int] = []
@@ -588,10 +710,21 @@ def _is_nixl(kv_mgr: Any) -> bool:
     return any(c.__name__ == "NixlKVManager" and c.__module__.endswith("disaggregation.nixl.conn") for c in type(kv_mgr).__mro__)
 
 
+def _before_ingest(*args: Any, **kwargs: Any) -> None:
+    p = _plugin
+    if p is not None:
+        try:
+            p.on_iteration()
+        except Exception:
+            _fault("iteration hook")
+    return None
+
+
 def _after_poll(polls: Any, pollers: Any = None, *args: Any, **kwargs: Any) -> None:
     p = _plugin
     if p is not None:
-        p.epoch += 1
+        if not p.per_iteration:
+            p.epoch += 1
         if FAILED in polls:
             try:
                 p.on_polls(polls, pollers)
@@ -603,7 +736,8 @@ def _after_poll(polls: Any, pollers: Any = None, *args: Any, **kwargs: Any) -> N
 def _after_poll_pp(polls: Any, pollers: Any = None, *args: Any, **kwargs: Any) -> None:
     p = _plugin
     if p is not None and pollers:
-        p.epoch += 1
+        if not p.per_iteration:
+            p.epoch += 1
         try:
             p.on_own_status(pollers)
         except Exception:
@@ -751,6 +885,13 @@ def _install(plugin: "_Plugin") -> None:
         hook(f"{cls.__module__}.{cls.__qualname__}.failure_exception", _around_failure_exception, HookType.AROUND)
     hook("sglang.utils.get_exception_traceback", _after_exception_traceback, HookType.AFTER)
     hook("sglang.srt.managers.scheduler.Scheduler.run_event_loop", _around_run_event_loop, HookType.AROUND)
+    from sglang.srt.managers.scheduler import Scheduler
+
+    # Once per iteration of every event loop (SGLang: "the one place a new per-iteration
+    # input source belongs"): stalls and the verdict budget count iterations there.
+    if hasattr(Scheduler, "ingest_requests"):
+        hook("sglang.srt.managers.scheduler.Scheduler.ingest_requests", _before_ingest, HookType.BEFORE)
+        plugin.per_iteration = True
     _plugin = plugin
     atexit.register(plugin.at_exit)
     try:

@@ -1,0 +1,205 @@
+"""SPEC v3 "no request waits": stalls, /v1/health and the /v1/events stream, against real
+etcd, a real `rootrank serve` and real Python rank processes whose scheduler-like loops call
+`Agent.progress()` once per iteration."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+import rootrank
+from conftest import Coordinator, spawn_python, wait_until
+
+# A rank's loop: one progress() per iteration. WEDGE=secs: after 1 s the loop wedges in a C
+# call that keeps the GIL (PyDLL), as a rank stuck in a driver call does; the agent's own
+# Rust thread still sees the count stop. WAIT=1: the loop stops in a blocking wait (a rank
+# waiting in a collective on a wedged sibling), GIL released.
+LOOP = """
+import os, sys, time, ctypes, rootrank
+a = rootrank.Agent(os.environ['G'], int(os.environ['R']), int(os.environ.get('SIZE', '2')),
+                   lease_ttl_ms=1000, stall_after_ms=int(os.environ.get('STALL_MS', '500')))
+assert a.wait_registered(10) is not None
+print('registered', a.incarnation, flush=True)
+start = time.monotonic()
+wedge = float(os.environ.get('WEDGE', '0'))
+wait_at = float(os.environ.get('WAIT_AT', '0'))
+record = os.environ.get('RECORD_FILE')
+while time.monotonic() - start < float(os.environ.get('RUN_S', '60')):
+    a.progress()
+    elapsed = time.monotonic() - start
+    if wedge and elapsed > 1.0:
+        print('wedging', flush=True)
+        ctypes.PyDLL(None).sleep(int(wedge))
+        print('unwedged', flush=True)
+        wedge = 0
+    if wait_at and elapsed > wait_at:
+        print('waiting', flush=True)
+        time.sleep(float(os.environ.get('WAIT_S', '3')))
+        print('woke', flush=True)
+        wait_at = 0
+    if record and os.path.exists(record):
+        # The generic fallback this rank saw for a room (a room it only failed with the group).
+        room = int(open(record).read())
+        a.record_failure(room, 'other', 'Failed due to an unknown reason from another rank', origin='propagated')
+        print('recorded', room, flush=True)
+        record = None
+    time.sleep(0.01)
+"""
+
+
+class Events:
+    """Follows /v1/events with rootrank.Coordinator.events() on a thread."""
+
+    def __init__(self, url: str, since=None, group=None):
+        self.items: list = []
+        self.stop = threading.Event()
+        self.error = None
+        self.thread = threading.Thread(target=self._run, args=(url, since, group), daemon=True)
+        self.thread.start()
+
+    def _run(self, url, since, group):
+        try:
+            for ev in rootrank.Coordinator(url).events(since, group, idle_timeout_s=5, stop=self.stop):
+                self.items.append(ev)
+        except Exception as e:  # surfaced by the test
+            self.error = e
+
+    def rank(self, group, rank, state):
+        return [e for e in self.items if e.get("event") == "rank" and e["group"] == group
+                and e["rank"] == rank and e["state"] == state]
+
+    def close(self):
+        self.stop.set()
+        self.thread.join(10)
+
+
+def _state(coordinator, group, rank):
+    status, body = coordinator.http(f"/v1/groups/{group}")
+    if status != 200:
+        return None
+    return next((r for r in body["ranks"] if r["rank"] == rank), None)
+
+
+def _metric(coordinator, line_start):
+    import urllib.request
+
+    with urllib.request.urlopen(coordinator.url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return [l for l in text.splitlines() if l.startswith(line_start)]
+
+
+def test_a_wedged_rank_holding_the_gil_is_stalled_first_and_named_the_suspect(etcd, coordinator, tmp):
+    """Rank 1 wedges in a C call that holds the GIL; rank 0 then waits on it (as siblings
+    wait in the collective). Both stall; rank 1's record comes first by revision: suspect."""
+    g = "wait-stall"
+    env = {"ROOTRANK_ETCD_ENDPOINTS": etcd.url, "G": g, "STALL_MS": "500"}
+    events = Events(coordinator.url, group=g)
+    r1 = spawn_python(LOOP, {**env, "R": "1", "WEDGE": "4"}, tmp / "r1.log")
+    r0 = spawn_python(LOOP, {**env, "R": "0", "WAIT_AT": "2.5", "WAIT_S": "3"}, tmp / "r0.log")
+    try:
+        wait_until(lambda: (_state(coordinator, g, 1) or {}).get("state") == "stalled", 20, "rank 1 stalled")
+        wait_until(lambda: (_state(coordinator, g, 0) or {}).get("state") == "stalled", 20, "rank 0 stalled")
+        s1, s0 = _state(coordinator, g, 1), _state(coordinator, g, 0)
+        assert s1["stall"]["role"] == "suspect", s1
+        assert s0["stall"]["role"] == "waiting", s0
+        assert s1["stalled_since"] and s1["stall"]["stalled_ms"] >= 500, s1
+        # The wedged rank held the GIL the whole time and still kept its lease: alive, stalled.
+        assert "wedging" in (tmp / "r1.log").read_text() and "unwedged" not in (tmp / "r1.log").read_text()
+        status, body = coordinator.http(f"/v1/health?group={g}")
+        assert status == 503 and body["healthy"] is False, body
+        assert {(r["rank"], r["state"]) for r in body["ranks"]} == {(0, "stalled"), (1, "stalled")}, body
+        assert any("no progress" in r["reason"] for r in body["ranks"]), body
+        assert _metric(coordinator, f'rootrank_rank_stalled{{group="{g}",rank="1"}} 1'), "metric"
+        assert any(l.startswith("rootrank_events_readers 1") for l in _metric(coordinator, "rootrank_events_readers")), "readers"
+        status, groups = coordinator.http("/v1/groups")
+        assert next(x for x in groups["groups"] if x["group"] == g)["stalled"] == 2, groups
+        # `rootrank status` shows it for people.
+        import subprocess
+        from conftest import ROOTRANK_BIN
+
+        out = subprocess.run([ROOTRANK_BIN, "status", "--group", g, "--coordinator", coordinator.url],
+                             capture_output=True, text=True, timeout=20).stdout
+        assert "stalled" in out and "suspect" in out, out
+        # Both resume: live again, healthy, events say so in revision order.
+        wait_until(lambda: coordinator.http(f"/v1/health?group={g}")[0] == 200, 30, "healthy again")
+        wait_until(lambda: events.rank(g, 1, "live") and len(events.rank(g, 1, "live")) >= 2, 10, "rank 1 live event")
+        stalled1, stalled0 = events.rank(g, 1, "stalled")[0], events.rank(g, 0, "stalled")[0]
+        assert stalled1["revision"] < stalled0["revision"], events.items
+        revs = [e["revision"] for e in events.items]
+        assert revs == sorted(revs), revs
+        assert _metric(coordinator, f'rootrank_rank_stalled{{group="{g}",rank="1"}} 0'), "metric back to 0"
+    finally:
+        events.close()
+        for p in (r0, r1):
+            p.kill()
+            p.wait()
+    assert events.error is None, events.error
+
+
+def test_events_resume_from_a_revision_and_name_a_death_and_a_resolved_room(etcd, coordinator, tmp):
+    g = "wait-events"
+    env = {"ROOTRANK_ETCD_ENDPOINTS": etcd.url, "G": g}
+    first = Events(coordinator.url)
+    r0 = spawn_python(LOOP, {**env, "R": "0", "RECORD_FILE": str(tmp / "room")}, tmp / "r0.log")
+    r1 = spawn_python(LOOP, {**env, "R": "1"}, tmp / "r1.log")
+    try:
+        wait_until(lambda: len([e for e in first.items if e.get("group") == g and e.get("state") == "live"]) == 2,
+                   20, "both ranks live")
+        os.kill(r1.pid, signal.SIGKILL)
+        r1.wait()
+        wait_until(lambda: first.rank(g, 1, "down"), 20, "rank 1 down event")
+        down = first.rank(g, 1, "down")[0]
+        assert down["reason"] == "lease_expired", down
+        # Rank 0 hits the generic failure for a room: the room resolves on rank 1's death.
+        room = 4_242_424_242
+        (tmp / "room").write_text(str(room))
+        wait_until(lambda: any(e.get("event") == "resolved" and e["verdict"]["room"] == str(room) for e in first.items),
+                   20, "resolved event")
+        resolved = next(e for e in first.items if e.get("event") == "resolved")
+        assert resolved["verdict"]["culprit"]["group"] == g and resolved["verdict"]["culprit"]["rank"] == 1, resolved
+        assert g in resolved["groups"], resolved
+        # A reader resuming after the first live event gets everything after it, in order.
+        since = [e for e in first.items if e.get("group") == g][0]["revision"]
+        again = Events(coordinator.url, since=since)
+        wait_until(lambda: len(again.items) >= len([e for e in first.items if e["revision"] > since]), 10, "resumed")
+        assert [e for e in again.items] == [e for e in first.items if e["revision"] > since]
+        again.close()
+        # Older than this replica knows (its index was loaded at a later revision): 410.
+        from rootrank.errors import CoordinatorError
+
+        with pytest.raises(CoordinatorError) as err:
+            next(iter(rootrank.Coordinator(coordinator.url).events(0)))
+        assert err.value.code == "compacted" and err.value.status == 410
+    finally:
+        first.close()
+        for p in (r0, r1):
+            p.kill()
+            p.wait()
+    assert first.error is None, first.error
+
+
+def test_events_and_health_reject_bad_input_and_a_slow_reader_cannot_grow_the_coordinator(etcd, coordinator, tmp):
+    for path, code in [("/v1/events?since=-1", "invalid_since"), ("/v1/events?since=abc", "invalid_since"),
+                       ("/v1/events?bogus=1", "invalid_query"), ("/v1/health", "invalid_group"),
+                       ("/v1/health?group=", "invalid_group"), ("/v1/health?nope=1", "invalid_query")]:
+        status, body = coordinator.http(path)
+        assert status == 400 and body["error"]["code"] == code, (path, status, body)
+    status, body = coordinator.http("/v1/health?group=never-registered")
+    assert status == 503 and body["ranks"][0]["reason"] == "group never registered", body
+    # Readers that connect and never read: the coordinator keeps serving and counts them.
+    import socket
+
+    silent = []
+    for _ in range(20):
+        s = socket.create_connection(("127.0.0.1", coordinator.port), timeout=5)
+        s.sendall(b"GET /v1/events HTTP/1.1\r\nHost: x\r\n\r\n")
+        silent.append(s)
+    wait_until(lambda: any(l.endswith(" 20") for l in _metric(coordinator, "rootrank_events_readers ")), 10, "20 readers")
+    assert coordinator.http("/readyz")[0] == 200
+    for s in silent:
+        s.close()
+    wait_until(lambda: any(l.endswith(" 0") for l in _metric(coordinator, "rootrank_events_readers ")), 40, "readers gone")
