@@ -2,7 +2,8 @@
 //! namespace with the host's hostname (a container on the host network, usual for RDMA)
 //! publishes its namespace's pid. node-watch maps it to the host pid through `NSpid` and
 //! checks `start_ticks`; a host process that merely has the record's pid number is never
-//! watched, never certified.
+//! watched, never certified. That refusal is counted in `rootrank_unverified_pids_total`,
+//! in the log and at `--metrics-listen`.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
@@ -11,7 +12,7 @@ use std::time::{Duration, Instant};
 use rootrank_agent::procfs;
 use rootrank_store::etcd_client::PutOptions;
 use rootrank_testkit::node::{client, list, live_key, wait_certificate, NodeWatch};
-use rootrank_testkit::{rootrank_bin, Etcd};
+use rootrank_testkit::{free_port, promtool_check_metrics, rootrank_bin, scrape_metrics, Etcd};
 
 /// A `rootrank rank` process as pid 1 of a new pid namespace (`unshare --pid --fork
 /// --mount-proc`), same hostname and network as the host.
@@ -107,7 +108,8 @@ async fn a_rank_in_its_own_pid_namespace_is_watched_by_its_host_pid_and_a_namesa
     );
     let etcd = Etcd::start()?;
     let ep = etcd.endpoint();
-    let watch = NodeWatch::start(&ep)?;
+    let metrics_addr = format!("127.0.0.1:{}", free_port()?);
+    let watch = NodeWatch::start_with(&ep, &["--metrics-listen", &metrics_addr])?;
 
     let rank = ContainedRank::start(&ep, "prefill-0", 0)?;
     assert_ne!(rank.inner_pid, rank.host_pid);
@@ -124,6 +126,9 @@ async fn a_rank_in_its_own_pid_namespace_is_watched_by_its_host_pid_and_a_namesa
         "{rec}"
     );
     watch.wait_watching("prefill-0", 0, rank.host_pid).await?;
+    // Served from the start, at zero: dashboards see a zero rather than a gap.
+    let before = scrape_metrics(&metrics_addr).await?;
+    assert!(before.contains("\nrootrank_unverified_pids_total 0\n"), "{before}");
 
     // A host process whose pid is the number a record names, in the rank's namespace, where
     // no process has that pid. Its start time is the record's: only the namespace tells them
@@ -181,5 +186,15 @@ async fn a_rank_in_its_own_pid_namespace_is_watched_by_its_host_pid_and_a_namesa
     let log = watch.log_text();
     assert!(!log.contains("watching prefill-0/1 "), "{log}");
     assert!(log.contains("rootrank_unverified_pids_total=1"), "{log}");
+    // The same count is served, in the one family node-watch owns, and passes promtool.
+    let text = scrape_metrics(&metrics_addr).await?;
+    assert!(text.contains("\nrootrank_unverified_pids_total 1\n"), "{text}");
+    assert!(
+        text.contains("# TYPE rootrank_unverified_pids_total counter\n"),
+        "{text}"
+    );
+    let families: Vec<&str> = text.lines().filter(|l| l.starts_with("# TYPE ")).collect();
+    assert_eq!(families, ["# TYPE rootrank_unverified_pids_total counter"], "{text}");
+    promtool_check_metrics(&text)?;
     Ok(())
 }

@@ -5,8 +5,12 @@ use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
+use rootrank_store::etcd_client::PutOptions;
 use rootrank_testkit::node::{self, certificates_after_barrier, list, wait_certificate, NodeWatch};
-use rootrank_testkit::{eventually, try_signal, Coordinator, Etcd, Rank};
+use rootrank_testkit::{
+    children_of, eventually, free_port, listening_tcp_ports, promtool_check_metrics, scrape_metrics, try_signal,
+    Coordinator, Etcd, Rank,
+};
 
 const BIN: &str = env!("CARGO_BIN_EXE_rootrank");
 
@@ -445,5 +449,194 @@ async fn a_late_agent_takes_the_live_key_over_from_its_supervisor() -> anyhow::R
     let cert = wait_certificate(&ep, "prefill-6", 0, &incarnation).await?;
     assert_eq!(cert.value["source"], "supervisor", "{cert:?}");
     assert_eq!(cert.value["pid"], rank_pid, "{cert:?}");
+    Ok(())
+}
+
+/// A `rootrank run` process killed (and reaped) when the test ends, passed or failed, with
+/// its children first: a SIGKILLed supervisor forwards nothing, and an orphaned child would
+/// outlive the test holding whatever it inherited (a build lock's fd, say).
+struct Reaped(std::process::Child);
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        // Already reaped (the test waited for it): its pid may be another process's now.
+        if matches!(self.0.try_wait(), Ok(Some(_))) {
+            return;
+        }
+        for child in children_of(self.0.id()) {
+            rootrank_testkit::signal(child, libc::SIGKILL);
+        }
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Starts `rootrank run ... -- sh -c 'echo ready; exec sleep 60'` and waits for `ready` (the
+/// child runs, so a metrics listener is bound by then). A grace longer than any test: the
+/// supervisor only reads the live key, and never registers on the child's behalf. Its stderr
+/// is gathered into the returned string.
+fn run_sleeper(
+    ep: &str,
+    group: &str,
+    extra: &[&str],
+) -> anyhow::Result<(Reaped, std::sync::Arc<std::sync::Mutex<String>>)> {
+    let mut args = vec!["--agent-grace-ms", "600000"];
+    args.extend_from_slice(extra);
+    let mut sup = Reaped(
+        run_cmd(ep, group, 0, 1, &args, &["sh", "-c", "echo ready; exec sleep 60"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()?,
+    );
+    let log = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+    let stderr = sup.0.stderr.take().ok_or_else(|| anyhow::anyhow!("no stderr"))?;
+    let sink = std::sync::Arc::clone(&log);
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            if let Ok(mut l) = sink.lock() {
+                l.push_str(&line);
+                l.push('\n');
+            }
+        }
+    });
+    let mut line = String::new();
+    BufReader::new(sup.0.stdout.take().ok_or_else(|| anyhow::anyhow!("no stdout"))?).read_line(&mut line)?;
+    anyhow::ensure!(line.trim() == "ready", "the child did not start: {line:?}");
+    Ok((sup, log))
+}
+
+fn text_of(log: &std::sync::Mutex<String>) -> String {
+    log.lock().map(|l| l.clone()).unwrap_or_default()
+}
+
+/// `--metrics-listen`: the supervisor serves `rootrank_unverified_pids_total`, at 0 until the
+/// rank's live key names a process it cannot verify (a pid of a pid namespace not visible
+/// from here), then 1: once for that incarnation, however often the supervisor looks. The
+/// child inherits none of the server's sockets, and without the flag nothing listens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_count_a_live_record_the_supervisor_cannot_verify() -> anyhow::Result<()> {
+    let etcd = Etcd::start()?;
+    let ep = etcd.endpoint();
+    let port = free_port()?;
+    let addr = format!("127.0.0.1:{port}");
+    let (mut sup, log) = run_sleeper(&ep, "prefill-8", &["--metrics-listen", &addr])?;
+    let sup_pid = sup.0.id();
+
+    let text = scrape_metrics(&addr).await?;
+    assert!(text.contains("\nrootrank_unverified_pids_total 0\n"), "{text}");
+    let families: Vec<&str> = text.lines().filter(|l| l.starts_with("# TYPE ")).collect();
+    assert_eq!(families, ["# TYPE rootrank_unverified_pids_total counter"], "{text}");
+    promtool_check_metrics(&text)?;
+
+    // The server is the supervisor's alone: the child holds no socket at all.
+    assert_eq!(listening_tcp_ports(sup_pid), vec![port]);
+    let children = children_of(sup_pid);
+    assert_eq!(children.len(), 1, "{children:?}");
+    let child_sockets: Vec<String> = std::fs::read_dir(format!("/proc/{}/fd", children[0]))?
+        .flatten()
+        .filter_map(|fd| std::fs::read_link(fd.path()).ok())
+        .map(|t| t.to_string_lossy().into_owned())
+        .filter(|t| t.starts_with("socket:"))
+        .collect();
+    assert!(child_sockets.is_empty(), "the child inherited {child_sockets:?}");
+
+    // Without the flag, nothing listens.
+    let (mut plain, _) = run_sleeper(&ep, "prefill-7", &[])?;
+    assert!(
+        listening_tcp_ports(plain.0.id()).is_empty(),
+        "{:?}",
+        listening_tcp_ports(plain.0.id())
+    );
+    try_signal(plain.0.id(), libc::SIGTERM)?;
+    assert_eq!(plain.0.wait()?.code(), Some(128 + 15));
+
+    // A live record at the rank's key whose pid is in a pid namespace nothing here can see
+    // (inode 1 is never a namespace's): the supervisor refuses to take it for its child.
+    let mut c = node::client(&ep).await?;
+    let lease = c.lease_grant(60, None).await?.id();
+    let stranger = serde_json::json!({
+        "v": 1, "group": "prefill-8", "rank": 0, "group_size": 1,
+        "host": std::fs::read_to_string("/proc/sys/kernel/hostname")?.trim(),
+        "boot_id": std::fs::read_to_string("/proc/sys/kernel/random/boot_id")?.trim(),
+        "pid": 4242,
+        "pid_ns": 1,
+        "start_ticks": 12345,
+    });
+    c.put(
+        node::live_key("prefill-8", 0),
+        serde_json::to_vec(&stranger)?,
+        Some(PutOptions::new().with_lease(lease)),
+    )
+    .await?;
+    let text = eventually(Duration::from_secs(20), "rootrank_unverified_pids_total 1", || {
+        let addr = addr.clone();
+        async move {
+            scrape_metrics(&addr)
+                .await
+                .ok()
+                .filter(|t| t.contains("\nrootrank_unverified_pids_total 1\n"))
+        }
+    })
+    .await
+    .map_err(|e| anyhow::anyhow!("{e}; supervisor log:\n{}", text_of(&log)))?;
+    promtool_check_metrics(&text)?;
+    // The supervisor reads the key every 25 ms: the incarnation is still counted once.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let text = scrape_metrics(&addr).await?;
+    assert!(text.contains("\nrootrank_unverified_pids_total 1\n"), "{text}");
+    let said = text_of(&log);
+    assert!(said.contains("rootrank_unverified_pids_total=1"), "{said}");
+    assert!(!said.contains("rootrank_unverified_pids_total=2"), "{said}");
+
+    // Metrics serving changed nothing about the child: SIGTERM is forwarded, and the
+    // supervisor exits as the child did.
+    try_signal(sup_pid, libc::SIGTERM)?;
+    let status = sup.0.wait()?;
+    assert_eq!(status.code(), Some(128 + 15), "{status:?}\n{}", text_of(&log));
+    Ok(())
+}
+
+/// A `--metrics-listen` address already taken is a start-up error naming it: `rootrank run`
+/// then never starts its command, and `rootrank node-watch` does not start watching.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_taken_metrics_address_is_a_startup_error() -> anyhow::Result<()> {
+    let etcd = Etcd::start()?;
+    let ep = etcd.endpoint();
+    let taken = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let addr = taken.local_addr()?.to_string();
+    let dir = tempfile::tempdir()?;
+    let marker = dir.path().join("started");
+    let out = run_cmd(
+        &ep,
+        "prefill-8",
+        0,
+        1,
+        &["--metrics-listen", &addr],
+        &["sh", "-c", &format!("touch {}", marker.display())],
+    )
+    .stdin(Stdio::null())
+    .output()?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains(&format!("rootrank: error: cannot serve metrics on {addr}")),
+        "{stderr}"
+    );
+    assert!(!marker.exists(), "the command must not start");
+
+    let out = std::process::Command::new(BIN)
+        .args(["node-watch", "--etcd-endpoints", &ep])
+        .env("ROOTRANK_METRICS_LISTEN", &addr)
+        .env("NO_COLOR", "1")
+        .stdin(Stdio::null())
+        .output()?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains(&format!("rootrank: error: cannot serve metrics on {addr}")),
+        "{stderr}"
+    );
+    drop(taken);
     Ok(())
 }

@@ -21,6 +21,10 @@ pub struct NodeWatchArgs {
     /// The kernel log device to read OOM kills and GPU Xids from (default /dev/kmsg).
     #[arg(long)]
     pub kernel_log: Option<std::path::PathBuf>,
+    /// Serve Prometheus metrics (rootrank_unverified_pids_total) at http://ADDR/metrics,
+    /// e.g. 0.0.0.0:9751. Off by default.
+    #[arg(long, env = "ROOTRANK_METRICS_LISTEN", value_name = "ADDR")]
+    pub metrics_listen: Option<std::net::SocketAddr>,
 }
 
 pub fn run(a: NodeWatchArgs) -> anyhow::Result<ExitCode> {
@@ -29,6 +33,7 @@ pub fn run(a: NodeWatchArgs) -> anyhow::Result<ExitCode> {
     config.retention = Duration::from_secs(a.retention_s.max(1));
     config.supervisor_grace = Duration::from_millis(a.supervisor_grace_ms);
     config.kernel_log = a.kernel_log;
+    config.metrics_listen = a.metrics_listen;
     super::runtime()?.block_on(async {
         rootrank_node::node_watch(config, shutdown_signal()).await?;
         Ok(ExitCode::SUCCESS)

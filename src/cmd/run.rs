@@ -29,6 +29,10 @@ pub struct RunArgs {
     /// Lines of the process's stderr kept for its down certificate.
     #[arg(long, default_value_t = 50)]
     pub tail_lines: usize,
+    /// Serve Prometheus metrics (rootrank_unverified_pids_total) at http://ADDR/metrics,
+    /// e.g. 0.0.0.0:9752. Off by default. The process is not started when ADDR is taken.
+    #[arg(long, env = "ROOTRANK_METRICS_LISTEN", value_name = "ADDR")]
+    pub metrics_listen: Option<std::net::SocketAddr>,
     #[command(flatten)]
     pub etcd: EtcdArgs,
     /// The rank process and its arguments.
@@ -42,6 +46,7 @@ pub fn run(a: RunArgs) -> anyhow::Result<ExitCode> {
     config.lease_ttl = Duration::from_millis(a.lease_ttl_ms);
     config.agent_grace = Duration::from_millis(a.agent_grace_ms);
     config.tail_lines = a.tail_lines.max(1);
+    config.metrics_listen = a.metrics_listen;
     let done = super::runtime()?.block_on(rootrank_node::supervise(config))?;
     // The child's status, as if it had been run directly (128 + signal for a signal).
     Ok(ExitCode::from(done.code))

@@ -13,10 +13,12 @@
 //!   `source: supervisor` certificate with the exit status and that tail when it ends.
 //!
 //! Both write with [`rootrank_store::put_certificate`] on retention leases, retrying with
-//! backoff, so a death seen while etcd is down is written when it is back.
+//! backoff, so a death seen while etcd is down is written when it is back. With
+//! `metrics_listen` set, each serves `GET /metrics` (`rootrank_unverified_pids_total`).
 
 mod certs;
 mod host;
+mod metrics;
 mod pidns;
 pub mod supervise;
 mod sync;
@@ -51,4 +53,12 @@ pub enum NodeError {
     },
     #[error("invalid configuration: {0}")]
     Config(String),
+    #[error("cannot serve metrics on {addr} (--metrics-listen)")]
+    MetricsListen {
+        addr: std::net::SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("metrics registry: {0}")]
+    Metrics(#[from] prometheus::Error),
 }

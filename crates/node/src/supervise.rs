@@ -25,6 +25,7 @@ use tokio::signal::unix::{signal, SignalKind};
 use tracing::{debug, info, info_span, warn, Instrument};
 
 use crate::certs::{CertWriter, Etcd, Written};
+use crate::metrics::{self, NodeMetrics};
 use crate::pidns::Located;
 use crate::NodeError;
 
@@ -49,6 +50,8 @@ pub struct SuperviseConfig {
     pub tail_lines: usize,
     /// The program and its arguments.
     pub command: Vec<String>,
+    /// Where to serve `GET /metrics` (`None`: nowhere, the default).
+    pub metrics_listen: Option<std::net::SocketAddr>,
 }
 
 impl SuperviseConfig {
@@ -78,6 +81,7 @@ impl SuperviseConfig {
             report_timeout: Duration::from_secs(30),
             tail_lines: rootrank_watchdog::logtail::DEFAULT_LINES,
             command,
+            metrics_listen: None,
         })
     }
 }
@@ -106,16 +110,26 @@ struct Known {
     host: Option<String>,
 }
 
-#[derive(Default)]
 struct Discovery {
     known: Option<Known>,
     /// Our agent, when we registered on the child's behalf.
     agent: Option<Agent>,
     /// Incarnations whose live record names a process we cannot verify (said once each).
     unverified: std::collections::HashSet<i64>,
-    /// `rootrank_unverified_pids_total` (SPEC section 8): the supervisor serves no metrics,
-    /// so the count is carried in its log lines.
-    unverified_total: u64,
+    /// `rootrank_unverified_pids_total` (SPEC section 8): served with `--metrics-listen`,
+    /// and carried in the log lines either way.
+    unverified_pids: prometheus::IntCounter,
+}
+
+impl Discovery {
+    fn new(unverified_pids: prometheus::IntCounter) -> Self {
+        Discovery {
+            known: None,
+            agent: None,
+            unverified: std::collections::HashSet::new(),
+            unverified_pids,
+        }
+    }
 }
 
 type Shared = Arc<Mutex<Discovery>>;
@@ -141,6 +155,11 @@ async fn supervise_inner(config: SuperviseConfig) -> Result<SupervisedExit, Node
     let mut sigterm = install(libc::SIGTERM)?;
     let mut sighup = install(libc::SIGHUP)?;
     let mut sigquit = install(libc::SIGQUIT)?;
+    // Bound before the spawn, so a taken address stops us before there is a child. The
+    // server is a task of its own that nothing here waits for, and its sockets are
+    // close-on-exec: the child never sees them.
+    let metrics = NodeMetrics::new()?;
+    let _metrics_server = metrics::serve_if(config.metrics_listen, &metrics).await?;
     // Opened before the spawn: only kernel events after it can be about the child.
     let kernel = KernelLog::open_or_unavailable();
 
@@ -177,7 +196,7 @@ async fn supervise_inner(config: SuperviseConfig) -> Result<SupervisedExit, Node
         .take()
         .map(|s| tokio::spawn(pass_stderr(s, Arc::clone(&tail))));
 
-    let shared: Shared = Arc::default();
+    let shared: Shared = Arc::new(Mutex::new(Discovery::new(metrics.unverified_pids.clone())));
     let discovery = tokio::spawn(discover(config.clone(), pid, Arc::clone(&shared)).in_current_span());
 
     let status = loop {
@@ -394,10 +413,10 @@ async fn lookup_noting(etcd: &mut Etcd, key: &str, child: u32, shared: &Shared) 
         Lookup::Unverified { lease, why } => {
             let mut d = lock(shared);
             if d.unverified.insert(lease) {
-                d.unverified_total += 1;
+                d.unverified_pids.inc();
                 warn!(
                     incarnation = lease,
-                    rootrank_unverified_pids_total = d.unverified_total,
+                    rootrank_unverified_pids_total = d.unverified_pids.get(),
                     "cannot verify the process of the rank's live record; not taking it for the child: {why}"
                 );
             }

@@ -20,6 +20,7 @@ use tracing::{debug, info, info_span, warn, Instrument};
 
 use crate::certs::{CertWriter, Written};
 use crate::host::{self, HostIdentity};
+use crate::metrics::{self, NodeMetrics};
 use crate::pidns::{self, Located};
 use crate::sync::{self, IncarnationId, LiveKv, SyncMsg};
 use crate::NodeError;
@@ -38,6 +39,8 @@ pub struct NodeWatchConfig {
     pub host: Option<HostIdentity>,
     /// The kernel log device (`None`: /dev/kmsg; another path for a bind mount).
     pub kernel_log: Option<std::path::PathBuf>,
+    /// Where to serve `GET /metrics` (`None`: nowhere, the default).
+    pub metrics_listen: Option<std::net::SocketAddr>,
 }
 
 impl NodeWatchConfig {
@@ -49,6 +52,7 @@ impl NodeWatchConfig {
             supervisor_grace: Duration::from_secs(2),
             host: None,
             kernel_log: None,
+            metrics_listen: None,
         }
     }
 }
@@ -91,6 +95,10 @@ pub async fn run(config: NodeWatchConfig, shutdown: impl Future<Output = ()>) ->
             ))
         }
     };
+    // Bound before anything else starts: a taken address is a start-up error. The server is
+    // a task of its own; the loop below never waits for it.
+    let metrics = NodeMetrics::new()?;
+    let _metrics_server = metrics::serve_if(config.metrics_listen, &metrics).await?;
     info!(host = %me.hostname, boot_id = me.boot_id.as_deref().unwrap_or("-"), "node watchdog starting");
     // Said once, here, when the kernel log cannot be read; deaths are still reported, from
     // the cgroup counters and what the pidfd says.
@@ -126,7 +134,7 @@ pub async fn run(config: NodeWatchConfig, shutdown: impl Future<Output = ()>) ->
         report_tx,
         warned_no_pid: HashSet::new(),
         unverified: HashSet::new(),
-        unverified_total: 0,
+        unverified_pids: metrics.unverified_pids.clone(),
     };
 
     tokio::pin!(shutdown);
@@ -141,7 +149,7 @@ pub async fn run(config: NodeWatchConfig, shutdown: impl Future<Output = ()>) ->
         }
     }
     info!(
-        rootrank_unverified_pids_total = state.unverified_total,
+        rootrank_unverified_pids_total = state.unverified_pids.get(),
         "node watchdog stopping"
     );
     sync_task.abort();
@@ -164,9 +172,9 @@ struct State {
     warned_no_pid: HashSet<WatchKey>,
     /// Incarnations whose process could not be verified (said and counted once each).
     unverified: HashSet<IncarnationId>,
-    /// `rootrank_unverified_pids_total` (SPEC section 8): node-watch serves no metrics, so
-    /// the count is carried in its log lines.
-    unverified_total: u64,
+    /// `rootrank_unverified_pids_total` (SPEC section 8): served with `--metrics-listen`,
+    /// and carried in the log lines either way.
+    unverified_pids: prometheus::IntCounter,
 }
 
 impl State {
@@ -277,15 +285,15 @@ impl State {
                 // out and the coordinator persists that death.
                 self.unwatch(&key);
                 if self.unverified.insert(id.clone()) {
+                    self.unverified_pids.inc();
                     warn!(
                         group = %l.group,
                         rank = l.rank,
                         pid = record_pid,
                         incarnation = %incarnation,
-                        rootrank_unverified_pids_total = self.unverified_total + 1,
+                        rootrank_unverified_pids_total = self.unverified_pids.get(),
                         "cannot verify this rank's process; not watching it: {why}"
                     );
-                    self.unverified_total += 1;
                 }
                 return;
             }

@@ -333,6 +333,27 @@ pub async fn get(url: &str) -> anyhow::Result<(u16, serde_json::Value)> {
     Ok((status, body))
 }
 
+/// `GET http://ADDR/metrics`: the text exposition, an error unless it is a 200 in the
+/// Prometheus text format.
+pub async fn scrape_metrics(addr: &str) -> anyhow::Result<String> {
+    let client = reqwest::Client::builder().timeout(Duration::from_secs(10)).build()?;
+    let resp = client.get(format!("http://{addr}/metrics")).send().await?;
+    let status = resp.status().as_u16();
+    let content_type = resp
+        .headers()
+        .get("content-type")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_string();
+    let text = resp.text().await?;
+    anyhow::ensure!(status == 200, "GET /metrics on {addr}: {status}: {text}");
+    anyhow::ensure!(
+        content_type.starts_with("text/plain; version=0.0.4"),
+        "GET /metrics on {addr}: content-type {content_type:?}"
+    );
+    Ok(text)
+}
+
 /// Polls `f` every 10 ms until it returns `Some`, or fails after `timeout`.
 pub async fn eventually<T, F, Fut>(timeout: Duration, what: &str, mut f: F) -> anyhow::Result<T>
 where

@@ -29,9 +29,12 @@ pub mod pd;
 
 pub use cgroup::MemoryCgroup;
 pub use nixl::nixl_dir;
-pub use sys::{alive, free_port, processes_mentioning, repo_root, require_root, rootrank_bin, signal, try_signal};
+pub use sys::{
+    alive, children_of, free_port, listening_tcp_ports, processes_mentioning, promtool_check_metrics, repo_root,
+    require_root, rootrank_bin, signal, try_signal,
+};
 
 #[cfg(feature = "etcd")]
 pub use browser::Browser;
 #[cfg(feature = "etcd")]
-pub use harness::{eventually, get, Coordinator, Etcd, EtcdCluster, Rank};
+pub use harness::{eventually, get, scrape_metrics, Coordinator, Etcd, EtcdCluster, Rank};
