@@ -5,6 +5,11 @@ NIXL managers, and one prefill rank whose transfer fails:
     python sglang_pd.py prefill|decode --rank R --world N --gloo-port P --bootstrap-port B \
         --room ROOM --failing K --dir D --model-dir M [--port SERVING_PORT]
 
+With ``--kill-failing`` prefill rank K is SIGKILLed instead, once decode waits for the KV (the
+no-request-waits scenario): the other prefill ranks keep the instance's bootstrap server up
+for ``--linger`` seconds, as SGLang's launcher does while it waits 60 s for crash dumps, so
+decode's own heartbeat sees nothing wrong; decode waits at most ``--wait-s`` for the room.
+
 Prefill rank K concludes the room failed with the call SGLang's NIXL transfer worker makes
 when a WRITE fails (``conclude_failure(bootstrap_room, failure_reason=str(e))``, nixl/conn.py);
 from there everything is SGLang's own: the status message to its decode peer over ZMQ, the
@@ -50,13 +55,13 @@ def raised_by(obj) -> dict:
     return {}
 
 
-def until_concluded(poller, group) -> list:
+def until_concluded(poller, group, wait_s: float = 120) -> list:
     """SGLang's scheduler loop for one room: poll and MIN-reduce every iteration until the
     room concludes (every rank leaves in the same iteration)."""
     from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.disaggregation.utils import poll_and_all_reduce
 
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         polls = poll_and_all_reduce([poller], group)
         if polls[0] in (int(KVPoll.Success), int(KVPoll.Failed)):
@@ -97,6 +102,13 @@ def main(a) -> None:
             if time.monotonic() > deadline:
                 raise TimeoutError("decode never asked")
             time.sleep(0.005)
+        if a.rank == a.failing and a.kill_failing:
+            write(me + "-killed.json", {"at": time.time()})
+            os.kill(os.getpid(), 9)
+        if a.kill_failing:
+            # The instance is dead with its rank; its launcher keeps the bootstrap server up.
+            time.sleep(a.linger)
+            os._exit(0)
         if a.rank == a.failing:
             kv_mgr.conclude_failure(bootstrap_room=a.room, failure_reason=f"NIXL transfer encountered ERR room={a.room}")
         else:
@@ -119,7 +131,8 @@ def main(a) -> None:
         receiver = NixlKVReceiver(kv_mgr, addr, a.room)
         receiver.init(0)
         receiver.send_metadata(np.arange(N_PAGES, dtype=np.int32), 0)
-        out["polls"] = until_concluded(receiver, group)
+        out["polls"] = until_concluded(receiver, group, a.wait_s)
+        out["concluded_at"] = time.time()
         if out["polls"][0] == int(KVPoll.Failed):
             out["raised"] = raised_by(receiver)
         poller_mgr = kv_mgr
@@ -137,6 +150,10 @@ def main(a) -> None:
         pass
     write(me + ".json", out)
     dist.barrier(group=group)
+    if a.kill_failing and rr is not None:
+        # A decode instance lives on after a failed room: its ranks must not read as deaths
+        # around the room (they would be candidates of their group, rule 1).
+        rr.agent.shutdown(5)
     os._exit(0)
 
 
@@ -146,6 +163,9 @@ if __name__ == "__main__":
     for name in ("rank", "world", "gloo-port", "bootstrap-port", "room", "failing"):
         ap.add_argument(f"--{name}", type=int, required=True)
     ap.add_argument("--port", type=int, default=30000)
+    ap.add_argument("--kill-failing", action="store_true")
+    ap.add_argument("--linger", type=float, default=60.0)
+    ap.add_argument("--wait-s", type=float, default=120.0)
     ap.add_argument("--dir", required=True)
     ap.add_argument("--model-dir", required=True)
     try:

@@ -357,6 +357,55 @@ def test_9_decode_told_by_its_prefill_names_the_prefill_rank(tmp, etcd, coordina
     print("decode rank 0 raised:", out["decode0"]["raised"]["str"])
 
 
+@pytest.mark.parametrize("fail_fast", ["1", "0"])
+def test_13_decode_waiting_on_a_dead_prefill_fails_fast_naming_it(tmp, etcd, coordinator, fail_fast):
+    """Prefill TP=2 -> decode TP=2 through SGLang's own NIXL managers; prefill rank 1 is
+    SIGKILLed once decode waits for the room's KV. Its instance's bootstrap server stays up
+    (SGLang's launcher waits 60 s for crash dumps), so decode's own heartbeat sees nothing and
+    SGLang would wait for its 300 s timeout: the harness gives decode 20 s. With rootrank the
+    decode plugin follows /v1/events, sees the prefill rank down (its published bootstrap
+    endpoint) and fails the room through SGLang's own node-failure path, naming the rank;
+    with ROOTRANK_FAIL_FAST=0 decode is still waiting when the 20 s are up."""
+    model = tiny_model(tmp)
+    boot, room, world = free_port(), 6_917_529_027_641_081_999, 2
+    env = sglang_env(tmp, ROOTRANK_LEASE_TTL_MS="1000", ROOTRANK_ETCD_ENDPOINTS=etcd.url,
+                     ROOTRANK_COORDINATOR=coordinator.url, ROOTRANK_FAIL_FAST=fail_fast)
+    procs = []
+    for role in ("prefill", "decode"):
+        gloo, serving = free_port(), free_port()
+        for rank in range(world):
+            cmd = [sys.executable, str(HERE / "sglang_pd.py"), role, "--rank", str(rank), "--world", str(world),
+                   "--gloo-port", str(gloo), "--bootstrap-port", str(boot), "--room", str(room), "--failing", "1",
+                   "--dir", str(tmp), "--model-dir", str(model), "--port", str(serving), "--kill-failing",
+                   "--linger", "40", "--wait-s", "20"]
+            procs.append((f"{role}{rank}", subprocess.Popen(cmd, env=env, stdout=open(tmp / f"{role}{rank}.log", "w"),
+                                                            stderr=subprocess.STDOUT)))
+    codes = {name: p.wait(300) for name, p in procs}
+    logs = {name: (tmp / f"{name}.log").read_text() for name, _ in procs}
+    assert codes["prefill1"] == -signal.SIGKILL, (codes, logs)
+    killed_at = json.loads((tmp / "prefill1-killed.json").read_text())["at"]
+    prefill_group = json.loads((tmp / "prefill0-ready.json").read_text())["group"]
+    if fail_fast == "0":
+        # SGLang alone: nothing ends the wait (the bootstrap server answers its heartbeat). The
+        # first decode rank to give up leaves the other in its all-reduce (gloo: reset by peer).
+        assert codes["decode0"] == 2 and codes["decode1"] == 2, (codes, logs)
+        assert any("the room never concluded" in logs[n] for n in ("decode0", "decode1")), logs
+        assert not any("Lost connection with prefill instance" in logs[n] for n in ("decode0", "decode1")), logs
+        return
+    assert codes["decode0"] == 0 and codes["decode1"] == 0, (codes, logs)
+    out = {name: json.loads((tmp / f"{name}.json").read_text()) for name in ("decode0", "decode1")}
+    for name, o in out.items():
+        assert o["polls"] == [0], (name, o)  # KVPoll.Failed
+        text = o["raised"]["str"]
+        assert f"Lost connection with prefill instance (bootstrap_addr: 127.0.0.1:{boot})" in text, (name, text)
+        assert f"(rootrank: {prefill_group} rank 1 is down: lease_expired)" in text, (name, text)
+        print(f"{name}: failed {o['concluded_at'] - killed_at:.2f} s after the SIGKILL: {text}")
+    decode_group = out["decode0"]["group"]
+    v = coordinator.verdict(room, decode_group)
+    c = v["culprit"] or {}
+    assert v["status"] == "resolved" and (c["group"], c["rank"], c["source"]) == (prefill_group, 1, "lease_expired"), v
+
+
 def test_10_pipeline_parallel_names_the_stage_that_failed(tmp, etcd, coordinator):
     """PP=2 x TP=2 as SGLang builds it (tests/python/sglang_pp.py): a stage-1 rank's transfer
     fails. PP rank 0 polls the consensus of every stage, so its poll says Failed though its
