@@ -25,6 +25,10 @@ pub struct NodeWatchArgs {
     /// e.g. 0.0.0.0:9751. Off by default.
     #[arg(long, env = "ROOTRANK_METRICS_LISTEN", value_name = "ADDR")]
     pub metrics_listen: Option<std::net::SocketAddr>,
+    /// py-spy, to read a stalled rank's Python stack into its stall record (default: `py-spy`
+    /// on PATH, when there is one; `pip install py-spy`). `none` turns it off.
+    #[arg(long, env = "ROOTRANK_PY_SPY", value_name = "PATH")]
+    pub py_spy: Option<std::path::PathBuf>,
 }
 
 pub fn run(a: NodeWatchArgs) -> anyhow::Result<ExitCode> {
@@ -34,10 +38,29 @@ pub fn run(a: NodeWatchArgs) -> anyhow::Result<ExitCode> {
     config.supervisor_grace = Duration::from_millis(a.supervisor_grace_ms);
     config.kernel_log = a.kernel_log;
     config.metrics_listen = a.metrics_listen;
+    config.py_spy = match a.py_spy {
+        Some(p) if p.as_os_str() == "none" => None,
+        Some(p) => Some(p),
+        None => find_on_path("py-spy"),
+    };
+    match &config.py_spy {
+        Some(p) => tracing::info!(py_spy = %p.display(), "stalled ranks' stacks will be read with py-spy"),
+        None => {
+            tracing::info!("no py-spy (pip install py-spy, or --py-spy PATH): stalled ranks' stacks are not captured")
+        }
+    }
     super::runtime()?.block_on(async {
         rootrank_node::node_watch(config, shutdown_signal()).await?;
         Ok(ExitCode::SUCCESS)
     })
+}
+
+fn find_on_path(name: &str) -> Option<std::path::PathBuf> {
+    std::env::var_os("PATH")?
+        .to_str()?
+        .split(':')
+        .map(|d| std::path::Path::new(d).join(name))
+        .find(|p| p.is_file())
 }
 
 /// SIGINT or SIGTERM.

@@ -3,7 +3,8 @@ it in the cached SGLang venv with a real etcd and a real coordinator (release bu
 prints a table; figures are compared with their reference in the same run (the machine is
 shared: ratios, not absolutes).
 
-1. `Agent.record_failure` from Python, per call, next to a plain dict assignment.
+1. `Agent.record_failure` from Python, per call, next to a plain dict assignment; v3
+   `Agent.progress()` per call, and a wedge to `stalled` in /v1/groups (stall_after_ms=500).
 2. The poll hook per scheduler iteration with 64 rooms in flight and nothing failing: SGLang's
    real `_poll_with_failure_injection` with and without the hook.
 3. The fallback's added latency with 1 and with 500 rooms failing in one iteration, through
@@ -65,6 +66,50 @@ def bench_record_failure(etcd: Etcd, results: dict) -> None:
         a.flush(120)
     results["record_failure"] = {"calls": n, "record_failure": summary(rec_ns), "dict_assignment": summary(dict_ns),
                                  "ratio_mean": round(statistics.fmean(rec_ns) / max(1.0, statistics.fmean(dict_ns)), 1)}
+
+
+def bench_progress(etcd: Etcd, coordinator: Coordinator, results: dict) -> None:
+    """v3 stalls: Agent.progress() per call (goal: under 100 ns), next to an empty Python
+    call; and a wedge (the loop stops calling it) to `stalled` in /v1/groups, per trial."""
+    import rootrank
+    import urllib.request
+
+    n = 200_000
+    noop = lambda: None  # noqa: E731
+    with rootrank.Agent("bench-progress", 0, 1, etcd_endpoints=etcd.url, stall_after_ms=500, lease_ttl_ms=2000) as a:
+        a.wait_registered(10)
+        for _ in range(2):
+            t0 = time.perf_counter_ns()
+            for _ in range(n):
+                noop()
+            empty = (time.perf_counter_ns() - t0) / n
+            t0 = time.perf_counter_ns()
+            for _ in range(n):
+                a.progress()
+            prog = (time.perf_counter_ns() - t0) / n
+        lags = []
+        for _ in range(10):
+            end = time.monotonic() + 1.0
+            while time.monotonic() < end:  # a loop that advances
+                a.progress()
+                time.sleep(0.001)
+            wedged = time.monotonic()
+            while True:
+                with urllib.request.urlopen(coordinator.url + "/v1/groups/bench-progress", timeout=5) as r:
+                    if json.loads(r.read())["ranks"][0]["state"] == "stalled":
+                        break
+                time.sleep(0.01)
+            lags.append((time.monotonic() - wedged) * 1000)
+            a.progress()  # resumes
+            while True:
+                with urllib.request.urlopen(coordinator.url + "/v1/groups/bench-progress", timeout=5) as r:
+                    if json.loads(r.read())["ranks"][0]["state"] == "live":
+                        break
+                time.sleep(0.01)
+    lags.sort()
+    results["progress"] = {"calls": n, "progress_ns": round(prog, 1), "empty_python_call_ns": round(empty, 1),
+                           "wedge_to_stalled_ms (stall_after_ms=500)": {
+                               "trials": len(lags), "p50": round(lags[len(lags) // 2]), "max": round(lags[-1])}}
 
 
 class _Poller:
@@ -182,6 +227,7 @@ def main() -> None:
         load_plugins()
         results: dict = {}
         bench_record_failure(etcd, results)
+        bench_progress(etcd, coordinator, results)
         bench_poll_hook(results)
         bench_fallback(etcd, coordinator, results)
         print(json.dumps(results, indent=2))

@@ -94,11 +94,21 @@ def _metric(coordinator, line_start):
 
 def test_a_wedged_rank_holding_the_gil_is_stalled_first_and_named_the_suspect(etcd, coordinator, tmp):
     """Rank 1 wedges in a C call that holds the GIL; rank 0 then waits on it (as siblings
-    wait in the collective). Both stall; rank 1's record comes first by revision: suspect."""
+    wait in the collective). Both stall; rank 1's record comes first by revision: suspect.
+    node-watch on this host reads the stalled ranks' Python stacks (py-spy) into the records."""
+    import subprocess
+    import sys
+
+    from conftest import ROOTRANK_BIN
+
     g = "wait-stall"
-    env = {"ROOTRANK_ETCD_ENDPOINTS": etcd.url, "G": g, "STALL_MS": "500"}
+    env = {"ROOTRANK_ETCD_ENDPOINTS": etcd.url, "G": g, "STALL_MS": "500", "WEDGE": "0"}
+    py_spy = os.path.join(os.path.dirname(sys.executable), "py-spy")
+    assert os.access(py_spy, os.X_OK), f"{py_spy}: scripts/sglang-venv.sh installs py-spy"
+    watcher = subprocess.Popen([ROOTRANK_BIN, "node-watch", "--etcd-endpoints", etcd.url, "--py-spy", py_spy],
+                               stdout=open(tmp / "node-watch.log", "w"), stderr=subprocess.STDOUT)
     events = Events(coordinator.url, group=g)
-    r1 = spawn_python(LOOP, {**env, "R": "1", "WEDGE": "4"}, tmp / "r1.log")
+    r1 = spawn_python(LOOP, {**env, "R": "1", "WEDGE": "5"}, tmp / "r1.log")
     r0 = spawn_python(LOOP, {**env, "R": "0", "WAIT_AT": "2.5", "WAIT_S": "3"}, tmp / "r0.log")
     try:
         wait_until(lambda: (_state(coordinator, g, 1) or {}).get("state") == "stalled", 20, "rank 1 stalled")
@@ -107,6 +117,11 @@ def test_a_wedged_rank_holding_the_gil_is_stalled_first_and_named_the_suspect(et
         assert s1["stall"]["role"] == "suspect", s1
         assert s0["stall"]["role"] == "waiting", s0
         assert s1["stalled_since"] and s1["stall"]["stalled_ms"] >= 500, s1
+        # The wedged thread's stack, read from outside while it holds the GIL in sleep().
+        wait_until(lambda: (_state(coordinator, g, 1) or {}).get("stack"), 10, "rank 1's stack")
+        stack = "\n".join(_state(coordinator, g, 1)["stack"])
+        assert '"MainThread"' in stack and "<module> (<string>:" in stack, stack
+        assert _state(coordinator, g, 1)["stall"]["role"] == "suspect", "adding the stack moved the order"
         # The wedged rank held the GIL the whole time and still kept its lease: alive, stalled.
         assert "wedging" in (tmp / "r1.log").read_text() and "unwedged" not in (tmp / "r1.log").read_text()
         status, body = coordinator.http(f"/v1/health?group={g}")
@@ -134,7 +149,7 @@ def test_a_wedged_rank_holding_the_gil_is_stalled_first_and_named_the_suspect(et
         assert _metric(coordinator, f'rootrank_rank_stalled{{group="{g}",rank="1"}} 0'), "metric back to 0"
     finally:
         events.close()
-        for p in (r0, r1):
+        for p in (r0, r1, watcher):
             p.kill()
             p.wait()
     assert events.error is None, events.error

@@ -20,6 +20,7 @@ mod certs;
 mod host;
 mod metrics;
 mod pidns;
+pub mod stack;
 pub mod supervise;
 mod sync;
 pub mod watch;

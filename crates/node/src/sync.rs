@@ -10,7 +10,7 @@
 use std::collections::HashSet;
 use std::time::Duration;
 
-use rootrank_core::{GroupId, Incarnation, KeyKind, Keys, Rank, RankLive};
+use rootrank_core::{GroupId, Incarnation, KeyKind, Keys, Rank, RankLive, RankStall};
 use rootrank_store::etcd_client::{Client, EventType, WatchOptions};
 use rootrank_store::Backoff;
 use tokio::sync::mpsc;
@@ -31,14 +31,43 @@ pub(crate) struct LiveKv {
     pub mod_revision: i64,
 }
 
+/// A stall record with no stack yet (v3): node-watch may add the stalled thread's stack.
+#[derive(Clone, Debug)]
+pub(crate) struct StallKv {
+    pub key: Vec<u8>,
+    pub record: RankStall,
+    pub lease: i64,
+    /// The stall key's create revision: the stack is added only to this same stall.
+    pub create_revision: i64,
+}
+
+fn stall_kv(keys: &Keys, key: &[u8], value: &[u8], lease: i64, create_revision: i64) -> Option<StallKv> {
+    let KeyKind::Stall { group, rank } = keys.parse(key)? else {
+        return None;
+    };
+    match RankStall::parse(value) {
+        Ok(record) if record.rank == rank && record.group == group && record.stack.is_none() => Some(StallKv {
+            key: key.to_vec(),
+            record,
+            lease,
+            create_revision,
+        }),
+        _ => None,
+    }
+}
+
 #[derive(Debug)]
 pub(crate) enum SyncMsg {
     /// Everything at one revision (at start, and after a compaction).
     Snapshot {
         lives: Vec<LiveKv>,
         certified: HashSet<IncarnationId>,
+        /// Stall records without a stack, applied after `lives`.
+        stalls: Vec<StallKv>,
         revision: i64,
     },
+    /// v3: a rank's stall record without a stack.
+    Stall(Box<StallKv>),
     /// Boxed: a live record is large next to the other messages.
     Live(Box<LiveKv>),
     /// A live key was deleted; `lease` is the deleted value's lease when etcd said.
@@ -143,6 +172,7 @@ async fn load(
     // watchdog's memory does not grow with the rooms of the whole fleet.
     let mut lives = Vec::new();
     let mut certified = HashSet::new();
+    let mut stalls = Vec::new();
     let prefix = format!("{}/groups/", keys.prefix());
     // One reader: a watchdog runs on every host, so its memory (pages in flight) matters more
     // than the second or so parallel readers would save; its ranges are bounded all the same.
@@ -154,6 +184,7 @@ async fn load(
                 value,
                 lease,
                 revision,
+                create_revision,
                 ..
             } = ev
             else {
@@ -161,6 +192,8 @@ async fn load(
             };
             if let Some(l) = live_kv(keys, &key, &value, lease, revision) {
                 lives.push(l);
+            } else if let Some(s) = stall_kv(keys, &key, &value, lease, create_revision) {
+                stalls.push(s);
             } else if let Some(id) = down_id(keys, &key) {
                 certified.insert(id);
             }
@@ -178,6 +211,7 @@ async fn load(
     let _ = tx.send(SyncMsg::Snapshot {
         lives,
         certified,
+        stalls,
         revision,
     });
     Ok(revision)
@@ -227,6 +261,10 @@ async fn watch(
             let out = match ev.event_type() {
                 EventType::Put => live_kv(keys, kv.key(), kv.value(), kv.lease(), kv.mod_revision())
                     .map(|l| SyncMsg::Live(Box::new(l)))
+                    .or_else(|| {
+                        stall_kv(keys, kv.key(), kv.value(), kv.lease(), kv.create_revision())
+                            .map(|s| SyncMsg::Stall(Box::new(s)))
+                    })
                     .or_else(|| down_id(keys, kv.key()).map(SyncMsg::Certified)),
                 EventType::Delete => match keys.parse(kv.key()) {
                     Some(KeyKind::Live { group, rank }) => Some(SyncMsg::LiveGone {

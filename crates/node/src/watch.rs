@@ -41,6 +41,9 @@ pub struct NodeWatchConfig {
     pub kernel_log: Option<std::path::PathBuf>,
     /// Where to serve `GET /metrics` (`None`: nowhere, the default).
     pub metrics_listen: Option<std::net::SocketAddr>,
+    /// v3: the `py-spy` executable that reads a stalled rank's Python stack into its stall
+    /// record (`None`: stacks are not captured).
+    pub py_spy: Option<std::path::PathBuf>,
 }
 
 impl NodeWatchConfig {
@@ -53,6 +56,7 @@ impl NodeWatchConfig {
             host: None,
             kernel_log: None,
             metrics_listen: None,
+            py_spy: None,
         }
     }
 }
@@ -193,6 +197,7 @@ impl State {
             SyncMsg::Snapshot {
                 lives,
                 certified,
+                stalls,
                 revision,
             } => {
                 let at_start = !self.loaded;
@@ -217,8 +222,12 @@ impl State {
                 for l in lives {
                     self.consider(l, at_start);
                 }
+                for s in stalls {
+                    self.on_stall(s);
+                }
             }
             SyncMsg::Live(l) => self.consider(*l, false),
+            SyncMsg::Stall(s) => self.on_stall(*s),
             SyncMsg::LiveGone { group, rank, lease } => {
                 // Forgotten with its live key (bounded memory).
                 self.unverified
@@ -248,6 +257,19 @@ impl State {
                 self.reported.remove(&id);
             }
         }
+    }
+
+    /// A rank of this host stalled: read its Python stack (py-spy, a short pause of the
+    /// process) on a task of its own and add it to the same stall record.
+    fn on_stall(&mut self, s: crate::sync::StallKv) {
+        let Some(py_spy) = self.config.py_spy.clone() else {
+            return;
+        };
+        let key = (s.record.group.clone(), s.record.rank);
+        let Some(w) = self.watched.get(&key).filter(|w| w.id.2 == s.record.incarnation) else {
+            return; // not a process of this host that node-watch verified
+        };
+        tokio::spawn(crate::stack::attach(py_spy, w.pid, s, self.config.endpoints.clone()));
     }
 
     fn consider(&mut self, l: LiveKv, at_start: bool) {

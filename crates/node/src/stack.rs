@@ -1,0 +1,91 @@
+//! A stalled rank's Python stack (SPEC v3 `RankStall.stack`), read by node-watch with py-spy.
+//!
+//! Why py-spy: it reads a live CPython process's frames from outside (process_vm_readv, the
+//! interpreter's own structures, every version SGLang runs on), including a thread that holds
+//! the GIL in a C call, which no in-process hook can; it is maintained, ships as a static
+//! binary wheel on PyPI, and `py-spy dump` pauses the process only for the read (~40 ms here).
+//! Writing a frame walker of our own would mean tracking CPython's internals per version.
+//!
+//! The stack is added to the same stall record (a transaction on its create revision, same
+//! lease), so it neither outlives the stall nor moves the record's place in the group's
+//! order of stalls.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use rootrank_core::records::clamp_log_tail;
+use rootrank_store::etcd_client::{Compare, CompareOp, PutOptions, Txn, TxnOp};
+use tracing::{debug, info, warn};
+
+use crate::sync::StallKv;
+
+/// How long py-spy may take before the stack is given up.
+pub const DUMP_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Runs `py-spy dump --pid PID` and returns its lines.
+pub async fn dump(py_spy: &std::path::Path, pid: u32) -> Result<Vec<String>, String> {
+    let child = tokio::process::Command::new(py_spy)
+        .args(["dump", "--pid", &pid.to_string()])
+        .stdin(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .output();
+    match tokio::time::timeout(DUMP_TIMEOUT, child).await {
+        Err(_) => Err(format!("py-spy took over {DUMP_TIMEOUT:?}")),
+        Ok(Err(e)) => Err(format!("cannot run {}: {e}", py_spy.display())),
+        Ok(Ok(out)) if !out.status.success() => Err(format!(
+            "py-spy exited {}: {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        )),
+        Ok(Ok(out)) => {
+            let mut lines: Vec<String> = String::from_utf8_lossy(&out.stdout)
+                .lines()
+                .filter(|l| !l.trim().is_empty())
+                .map(str::to_string)
+                .collect();
+            clamp_log_tail(&mut lines);
+            Ok(lines)
+        }
+    }
+}
+
+/// Reads the stack of `pid` (the stalled rank, in node-watch's pid namespace) and adds it to
+/// its stall record, if that record is still the same stall.
+pub(crate) async fn attach(py_spy: PathBuf, pid: u32, stall: StallKv, endpoints: Vec<String>) {
+    let group = stall.record.group.clone();
+    let rank = stall.record.rank;
+    let stack = match dump(&py_spy, pid).await {
+        Ok(s) if !s.is_empty() => s,
+        Ok(_) => return,
+        Err(e) => {
+            warn!(%group, rank, pid, error = %e, "could not read the stalled rank's stack");
+            return;
+        }
+    };
+    let mut record = stall.record;
+    record.stack = Some(stack);
+    let Ok(value) = serde_json::to_vec(&record) else { return };
+    let mut client = match rootrank_store::connect(&endpoints).await {
+        Ok(c) => c,
+        Err(e) => {
+            warn!(%group, rank, error = %e, "cannot reach etcd to add the stalled rank's stack");
+            return;
+        }
+    };
+    let txn = Txn::new()
+        .when([Compare::create_revision(
+            stall.key.clone(),
+            CompareOp::Equal,
+            stall.create_revision,
+        )])
+        .and_then([TxnOp::put(
+            stall.key,
+            value,
+            Some(PutOptions::new().with_lease(stall.lease)),
+        )]);
+    match tokio::time::timeout(rootrank_store::REQUEST_TIMEOUT, client.txn(txn)).await {
+        Ok(Ok(r)) if r.succeeded() => info!(%group, rank, pid, "added the stalled rank's stack to its stall record"),
+        Ok(Ok(_)) => debug!(%group, rank, "the stall ended before its stack was read"),
+        other => warn!(%group, rank, ?other, "could not add the stalled rank's stack"),
+    }
+}
