@@ -28,6 +28,8 @@ start = time.monotonic()
 wedge = float(os.environ.get('WEDGE', '0'))
 wait_at = float(os.environ.get('WAIT_AT', '0'))
 record = os.environ.get('RECORD_FILE')
+busy_ms = float(os.environ.get('BUSY_MS', '0'))
+deadlock_at = float(os.environ.get('DEADLOCK_AT', '0'))
 while time.monotonic() - start < float(os.environ.get('RUN_S', '60')):
     a.progress()
     elapsed = time.monotonic() - start
@@ -41,6 +43,19 @@ while time.monotonic() - start < float(os.environ.get('RUN_S', '60')):
         time.sleep(float(os.environ.get('WAIT_S', '3')))
         print('woke', flush=True)
         wait_at = 0
+    if busy_ms:
+        # A busy iteration (a long forward pass): CPU-bound Python, GIL held, yet advancing.
+        end = time.monotonic() + busy_ms / 1000
+        while time.monotonic() < end:
+            sum(range(1000))
+    if deadlock_at and elapsed > deadlock_at:
+        import threading
+        lock = threading.Lock()
+        print('deadlocking', flush=True)
+        def take_twice(lock):
+            lock.acquire()
+            lock.acquire()  # a pure-Python deadlock: never returns
+        take_twice(lock)
     if record and os.path.exists(record):
         # The generic fallback this rank saw for a room (a room it only failed with the group).
         room = int(open(record).read())
@@ -218,3 +233,35 @@ def test_events_and_health_reject_bad_input_and_a_slow_reader_cannot_grow_the_co
     for s in silent:
         s.close()
     wait_until(lambda: any(l.endswith(" 0") for l in _metric(coordinator, "rootrank_events_readers ")), 40, "readers gone")
+
+
+def test_a_deadlocked_rank_is_stalled_with_its_stack_and_a_busy_rank_never_is(etcd, coordinator, tmp):
+    """A pure-Python deadlock (a lock taken twice) stalls; an iteration that burns the CPU for
+    60% of stall_after_ms, every iteration, never does."""
+    import subprocess
+    import sys
+
+    from conftest import ROOTRANK_BIN
+
+    g = "wait-deadlock"
+    env = {"ROOTRANK_ETCD_ENDPOINTS": etcd.url, "G": g, "STALL_MS": "500"}
+    py_spy = os.path.join(os.path.dirname(sys.executable), "py-spy")
+    watcher = subprocess.Popen([ROOTRANK_BIN, "node-watch", "--etcd-endpoints", etcd.url, "--py-spy", py_spy],
+                               stdout=open(tmp / "node-watch.log", "w"), stderr=subprocess.STDOUT)
+    events = Events(coordinator.url, group=g)
+    dead = spawn_python(LOOP, {**env, "R": "0", "DEADLOCK_AT": "1"}, tmp / "r0.log")
+    busy = spawn_python(LOOP, {**env, "R": "1", "BUSY_MS": "300", "RUN_S": "8"}, tmp / "r1.log")
+    try:
+        wait_until(lambda: (_state(coordinator, g, 0) or {}).get("stack"), 20, "the deadlocked rank's stack")
+        s0 = _state(coordinator, g, 0)
+        assert s0["state"] == "stalled" and s0["stall"]["role"] == "suspect", s0
+        assert any("take_twice (<string>:" in line for line in s0["stack"]), s0["stack"]
+        busy.wait(30)
+        assert busy.returncode == 0, (tmp / "r1.log").read_text()
+        assert not events.rank(g, 1, "stalled"), events.items
+        assert events.rank(g, 0, "stalled"), events.items
+    finally:
+        events.close()
+        for p in (dead, busy, watcher):
+            p.kill()
+            p.wait()
