@@ -160,7 +160,7 @@ def test_6_sglang_unchanged_without_rootrank(tmp, setup):
         assert raised["str"] == f"KVTransferError(bootstrap_room={room}): {FALLBACK}"
         print("BEFORE:", raised["str"])
         assert "plugin active" not in logs[0] and outs[0]["plugin_stats"] == {
-            "local_published": 0, "propagated_published": 0, "peer_reported_published": 0, "fallbacks_rewritten": 0, "fallbacks_pending": 0, "errors": 0}
+            "local_published": 0, "propagated_published": 0, "peer_reported_published": 0, "fallbacks_rewritten": 0, "fallbacks_pending": 0, "fail_fast_rooms": 0, "errors": 0}
     else:
         # SGLang's text with the pointer to rootrank, within the budget.
         assert raised["str"].startswith(f"KVTransferError(bootstrap_room={room}): {FALLBACK} (rootrank: pending")
@@ -310,8 +310,11 @@ def test_9_decode_told_by_its_prefill_names_the_prefill_rank(tmp, etcd, coordina
     prefill's: prefill rank 1, at the default verdict budget."""
     model = tiny_model(tmp)
     boot, room, world, failing = free_port(), 6_917_529_027_641_081_857, 2, 1
+    # SGLang's own path alone: with fail-fast on, decode may learn the room's verdict from the
+    # coordinator before the prefill's status message arrives, and record that first (its
+    # record then names the prefill group and rank; test 13 covers fail-fast).
     env = sglang_env(tmp, ROOTRANK_LEASE_TTL_MS="1000", ROOTRANK_ETCD_ENDPOINTS=etcd.url,
-                     ROOTRANK_COORDINATOR=coordinator.url)
+                     ROOTRANK_COORDINATOR=coordinator.url, ROOTRANK_FAIL_FAST="0")
     procs = []
     for role in ("prefill", "decode"):
         gloo, serving = free_port(), free_port()  # one instance: its ranks share the serving port
