@@ -265,3 +265,29 @@ def test_a_deadlocked_rank_is_stalled_with_its_stack_and_a_busy_rank_never_is(et
         for p in (dead, busy, watcher):
             p.kill()
             p.wait()
+
+
+def test_rootrank_watch_prints_what_changes_for_people_and_as_json(etcd, coordinator, tmp):
+    import json
+    import subprocess
+
+    from conftest import ROOTRANK_BIN
+
+    g = "wait-cli"
+    people = subprocess.Popen([ROOTRANK_BIN, "watch", "--group", g, "--coordinator", coordinator.url],
+                              stdout=open(tmp / "watch.txt", "w"), stderr=subprocess.STDOUT)
+    machine = subprocess.Popen([ROOTRANK_BIN, "watch", "--json", "--coordinator", coordinator.url],
+                               stdout=open(tmp / "watch.jsonl", "w"), stderr=subprocess.STDOUT)
+    wait_until(lambda: any(l.endswith(" 2") for l in _metric(coordinator, "rootrank_events_readers ")), 10, "2 watchers")
+    rank = spawn_python(LOOP, {"ROOTRANK_ETCD_ENDPOINTS": etcd.url, "G": g, "R": "0", "SIZE": "1"}, tmp / "r0.log")
+    try:
+        wait_until(lambda: "wait-cli rank 0 live" in (tmp / "watch.txt").read_text(), 20, "live line")
+        os.kill(rank.pid, signal.SIGKILL)
+        rank.wait()
+        wait_until(lambda: "wait-cli rank 0 down (lease_expired)" in (tmp / "watch.txt").read_text(), 20, "down line")
+        lines = [json.loads(l) for l in (tmp / "watch.jsonl").read_text().splitlines() if l.startswith("{")]
+        assert [(e["group"], e["state"]) for e in lines if e.get("group") == g] == [(g, "live"), (g, "down")], lines
+    finally:
+        for p in (people, machine):
+            p.kill()
+            p.wait()

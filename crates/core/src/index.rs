@@ -750,6 +750,9 @@ impl Index {
         let reason = self.intern_reason(reason);
         let is_shutdown = reason.is_shutdown();
         let victim = reason.is_peer_lost() && !seen_dead_first;
+        // What the rank's state said before, so a certificate that only persists what was
+        // known (the coordinator's for a vanished key) is no second change.
+        let reason_before = self.deaths.get(&key).map(|d| d.reason.clone());
         match self.deaths.get_mut(&key) {
             Some(d) if d.evidence > evidence => {
                 // A less specific certificate (the coordinator's) after a specific one: keep
@@ -815,7 +818,7 @@ impl Index {
         if let Some(d) = self
             .deaths
             .get(&(group.clone(), rank, rec.incarnation))
-            .filter(|_| current)
+            .filter(|d| current && reason_before.as_ref() != Some(&d.reason))
         {
             out.push(Output::RankChanged {
                 group: group.clone(),

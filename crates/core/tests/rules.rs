@@ -833,6 +833,26 @@ fn v3_the_first_stall_by_revision_is_the_suspect_and_the_others_wait() {
         "{:?}",
         w.outputs
     );
+    // The coordinator's certificate for the vanished key persists the death: no second change.
+    assert!(
+        w.kv.keys().any(|k| k.contains("/ranks/0/down/")),
+        "the world persisted the death"
+    );
+    let downs = w
+        .outputs
+        .iter()
+        .filter(|o| {
+            matches!(
+                o,
+                Output::RankChanged {
+                    rank: 0,
+                    state: RankStateKind::Down,
+                    ..
+                }
+            )
+        })
+        .count();
+    assert_eq!(downs, 1, "{:?}", w.outputs);
     assert_eq!(w.index.first_stall(&g), Some(1));
     assert!(w.index.unhealthy(&[rootrank_core::GroupId::new("nobody").unwrap()])[0]
         .reason
