@@ -714,6 +714,7 @@ def _before_ingest(*args: Any, **kwargs: Any) -> None:
     p = _plugin
     if p is not None:
         try:
+            p.per_iteration = True
             p.on_iteration()
         except Exception:
             _fault("iteration hook")
@@ -885,13 +886,12 @@ def _install(plugin: "_Plugin") -> None:
         hook(f"{cls.__module__}.{cls.__qualname__}.failure_exception", _around_failure_exception, HookType.AROUND)
     hook("sglang.utils.get_exception_traceback", _after_exception_traceback, HookType.AFTER)
     hook("sglang.srt.managers.scheduler.Scheduler.run_event_loop", _around_run_event_loop, HookType.AROUND)
-    from sglang.srt.managers.scheduler import Scheduler
-
     # Once per iteration of every event loop (SGLang: "the one place a new per-iteration
-    # input source belongs"): stalls and the verdict budget count iterations there.
-    if hasattr(Scheduler, "ingest_requests"):
-        hook("sglang.srt.managers.scheduler.Scheduler.ingest_requests", _before_ingest, HookType.BEFORE)
-        plugin.per_iteration = True
+    # input source belongs"): stalls and the verdict budget count iterations there. Named,
+    # not imported: importing the scheduler module here, inside load_plugins(), would load
+    # its whole import tree early in every process (an SGLang without the method logs that
+    # the hook did not apply, and the budget stays per poll call).
+    hook("sglang.srt.managers.scheduler.Scheduler.ingest_requests", _before_ingest, HookType.BEFORE)
     _plugin = plugin
     atexit.register(plugin.at_exit)
     try:
