@@ -13,7 +13,10 @@ GPU), replaced in ``sglang.srt.managers.scheduler`` the way SGLang's plugin hook
 ("Load plugins so hooks can override Scheduler"): its event loop does what SGLang's prefill
 event loop does with a transfer in flight, one ``poll_and_all_reduce`` per iteration. Rank
 ``K`` SIGKILLs itself after a few iterations; the others die inside the all-reduce, exactly
-where gloo raises in SGLang.
+where gloo raises in SGLang. With ``--wedge-s W`` rank ``K`` wedges instead, for W seconds,
+in a C call that keeps the GIL (a hung driver call); the others block in the next
+all-reduce. Each iteration starts with ``ingest_requests``, as every SGLang event loop does
+(the stand-in's takes no input: there is no tokenizer), where the plugin counts progress.
 """
 
 from __future__ import annotations
@@ -66,13 +69,22 @@ class StandInScheduler:
     def get_init_info(self):
         return {"status": "ready"}
 
+    def ingest_requests(self, stop_at_pause: bool = False) -> list:
+        return []  # stand-in: SGLang's receives and broadcasts the tokenizer's requests here
+
     def run_event_loop(self):
         from sglang.srt.disaggregation.utils import poll_and_all_reduce
 
         a = self.args
         for iteration in range(1_000_000):
+            self.ingest_requests()
             if a.rank == a.victim_of and iteration == 20:
-                os.kill(os.getpid(), signal.SIGKILL)
+                if a.wedge_s:
+                    import ctypes
+
+                    ctypes.PyDLL(None).sleep(int(a.wedge_s))  # holds the GIL, like a hung C call
+                else:
+                    os.kill(os.getpid(), signal.SIGKILL)
             poll_and_all_reduce([self.sender], self.gloo_group)
             time.sleep(0.005)
 
@@ -83,6 +95,7 @@ def main() -> None:
         ap.add_argument(f"--{name}", type=int, required=True)
     ap.add_argument("--dir", required=True)
     ap.add_argument("--model-dir", required=True)
+    ap.add_argument("--wedge-s", type=float, default=0.0)
     args = ap.parse_args()
     import multiprocessing
 

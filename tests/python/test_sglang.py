@@ -257,6 +257,50 @@ def run_scheduler_group(tmp: Path, world: int, victim_of: int, env: dict, room: 
     return room, codes, infos, logs
 
 
+def test_14_a_wedged_scheduler_is_the_suspect_and_its_siblings_wait(tmp, etcd, coordinator):
+    """TP=4 through SGLang's real run_scheduler_process; rank 2 wedges in a C call that keeps
+    the GIL, and ranks 0, 1 and 3 block in SGLang's next poll all-reduce. The plugin counts
+    each iteration in SGLang's ``ingest_requests`` (through SGLang's own hook registry); every
+    rank stalls, rank 2 first: the suspect, with the stack node-watch read (py-spy)."""
+    model = tiny_model(tmp)
+    world, wedged, gloo, boot = 4, 2, free_port(), free_port()
+    env = sglang_env(tmp, ROOTRANK_LEASE_TTL_MS="2000", ROOTRANK_ETCD_ENDPOINTS=etcd.url,
+                     ROOTRANK_COORDINATOR=coordinator.url, ROOTRANK_STALL_AFTER_MS="1500")
+    py_spy = os.path.join(os.path.dirname(sys.executable), "py-spy")
+    watcher = subprocess.Popen([os.environ.get("ROOTRANK_BIN", "rootrank"), "node-watch", "--etcd-endpoints", etcd.url,
+                                "--py-spy", py_spy], stdout=open(tmp / "node-watch.log", "w"), stderr=subprocess.STDOUT)
+    procs = []
+    for rank in range(world):
+        cmd = [sys.executable, str(HERE / "sglang_scheduler.py"), "--rank", str(rank), "--world", str(world),
+               "--gloo-port", str(gloo), "--bootstrap-port", str(boot), "--room", "5764607523034234999",
+               "--victim-of", str(wedged), "--wedge-s", "60", "--dir", str(tmp), "--model-dir", str(model)]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=open(tmp / f"rank{rank}.log", "w"), stderr=subprocess.STDOUT))
+    try:
+        wait_until(lambda: all((tmp / f"rank{r}.json").exists() for r in range(world)), 120, "ranks registered")
+        group = json.loads((tmp / "rank0.json").read_text())["group"]
+
+        def ranks():
+            status, body = coordinator.http(f"/v1/groups/{group}")
+            return body["ranks"] if status == 200 else []
+
+        wait_until(lambda: [r["state"] for r in ranks()] == ["stalled"] * world, 60, "every rank stalled")
+        wait_until(lambda: ranks()[wedged].get("stack"), 20, "the wedged rank's stack")
+        view = ranks()
+        roles = {r["rank"]: r["stall"]["role"] for r in view}
+        assert roles == {0: "waiting", 1: "waiting", 2: "suspect", 3: "waiting"}, view
+        stack = "\n".join(view[wedged]["stack"])
+        assert "run_event_loop (sglang_scheduler.py:" in stack, stack
+        waiting = "\n".join(view[0].get("stack") or [])
+        assert not waiting or "all_reduce" in waiting, waiting
+        status, health = coordinator.http(f"/v1/health?group={group}")
+        assert status == 503 and len(health["ranks"]) == world, health
+        print(f"stalled: {[(r['rank'], r['stall']['role'], r['stalled_since']) for r in view]}\n{stack}")
+    finally:
+        for p in procs + [watcher]:
+            p.kill()
+            p.wait()
+
+
 @pytest.mark.parametrize("world,node_watch", [(2, False), (2, True), (4, False)])
 def test_8_sigkilled_rank_is_named_not_the_survivors_that_die_in_gloo(tmp, etcd, coordinator, world, node_watch):
     """The survivors of a SIGKILL die inside SGLang's next poll all-reduce (gloo raises in

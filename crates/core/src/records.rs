@@ -273,7 +273,7 @@ impl RankStall {
     pub fn parse(raw: &[u8]) -> Result<Self, RecordError> {
         let mut r: RankStall = parse_versioned(raw, |r: &RankStall| r.v)?;
         if let Some(stack) = r.stack.as_mut() {
-            clamp_log_tail(stack);
+            clamp_stack(stack);
         }
         if let Some(rooms) = r.in_flight.as_mut() {
             rooms.truncate(MAX_IN_FLIGHT);
@@ -284,6 +284,15 @@ impl RankStall {
 
 /// A stall record lists at most this many rooms in flight (a rank has a few dozen at most).
 pub const MAX_IN_FLIGHT: usize = 256;
+
+/// Keeps the first [`MAX_LOG_TAIL_LINES`] lines of a stack (the stalled thread comes first),
+/// each cut to [`MAX_LOG_LINE_BYTES`].
+pub fn clamp_stack(stack: &mut Vec<String>) {
+    stack.truncate(MAX_LOG_TAIL_LINES);
+    for line in stack.iter_mut() {
+        truncate_utf8(line, MAX_LOG_LINE_BYTES);
+    }
+}
 
 /// Keeps the last [`MAX_LOG_TAIL_LINES`] lines, each cut to [`MAX_LOG_LINE_BYTES`].
 pub fn clamp_log_tail(tail: &mut Vec<String>) {

@@ -13,7 +13,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use rootrank_core::records::clamp_log_tail;
+use rootrank_core::records::clamp_stack;
 use rootrank_store::etcd_client::{Compare, CompareOp, PutOptions, Txn, TxnOp};
 use tracing::{debug, info, warn};
 
@@ -38,15 +38,35 @@ pub async fn dump(py_spy: &std::path::Path, pid: u32) -> Result<Vec<String>, Str
             String::from_utf8_lossy(&out.stderr).trim()
         )),
         Ok(Ok(out)) => {
-            let mut lines: Vec<String> = String::from_utf8_lossy(&out.stdout)
-                .lines()
-                .filter(|l| !l.trim().is_empty())
-                .map(str::to_string)
-                .collect();
-            clamp_log_tail(&mut lines);
+            let mut lines = busy_threads_first(&String::from_utf8_lossy(&out.stdout));
+            clamp_stack(&mut lines);
             Ok(lines)
         }
     }
+}
+
+/// py-spy's dump with the main thread first (the scheduler loop: py-spy calls it `idle` when
+/// it is stuck in a C call), then the threads doing something, then the idle ones, so the
+/// lines kept in the record are the ones that matter: a real SGLang scheduler has a dozen
+/// idle helper threads.
+pub fn busy_threads_first(dump: &str) -> Vec<String> {
+    let mut head = Vec::new();
+    let mut threads: Vec<Vec<String>> = Vec::new();
+    for line in dump.lines().filter(|l| !l.trim().is_empty()) {
+        if line.starts_with("Thread ") {
+            threads.push(vec![line.to_string()]);
+        } else if let Some(t) = threads.last_mut() {
+            t.push(line.to_string());
+        } else {
+            head.push(line.to_string());
+        }
+    }
+    // Stable: py-spy's own order within each rank.
+    threads.sort_by_key(|t| {
+        let h = &t[0];
+        (!h.contains("\"MainThread\""), h.contains("(idle)"))
+    });
+    head.into_iter().chain(threads.into_iter().flatten()).collect()
 }
 
 /// Reads the stack of `pid` (the stalled rank, in node-watch's pid namespace) and adds it to
@@ -87,5 +107,26 @@ pub(crate) async fn attach(py_spy: PathBuf, pid: u32, stall: StallKv, endpoints:
         Ok(Ok(r)) if r.succeeded() => info!(%group, rank, pid, "added the stalled rank's stack to its stall record"),
         Ok(Ok(_)) => debug!(%group, rank, "the stall ended before its stack was read"),
         other => warn!(%group, rank, ?other, "could not add the stalled rank's stack"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn busy_and_main_threads_come_first() {
+        let dump = "Process 1: python\nPython v3.11.7\n\nThread 2 (idle): \"worker\"\n    get (q.py:1)\nThread 3 (active): \"other\"\n    run (o.py:2)\nThread 1 (active): \"MainThread\"\n    sleep (m.py:3)\n";
+        assert_eq!(
+            super::busy_threads_first(dump),
+            vec![
+                "Process 1: python",
+                "Python v3.11.7",
+                "Thread 1 (active): \"MainThread\"",
+                "    sleep (m.py:3)",
+                "Thread 3 (active): \"other\"",
+                "    run (o.py:2)",
+                "Thread 2 (idle): \"worker\"",
+                "    get (q.py:1)",
+            ]
+        );
     }
 }
