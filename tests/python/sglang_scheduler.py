@@ -77,16 +77,19 @@ class StandInScheduler:
 
         a = self.args
         for iteration in range(1_000_000):
-            self.ingest_requests()
-            if a.rank == a.victim_of and iteration == 20:
-                if a.wedge_s:
-                    import ctypes
+            if a.rank == a.victim_of and iteration == 20 and a.wedge_s:
+                # Wedged at the top of an iteration, before counting it: the siblings count
+                # it and block in its all-reduce (see docs/waits.md on a wedge after the count).
+                import ctypes
 
-                    ctypes.PyDLL(None).sleep(int(a.wedge_s))  # holds the GIL, like a hung C call
-                else:
-                    os.kill(os.getpid(), signal.SIGKILL)
+                ctypes.PyDLL(None).sleep(int(a.wedge_s))  # holds the GIL, like a hung C call
+            self.ingest_requests()
+            if a.rank == a.victim_of and iteration == 20 and not a.wedge_s:
+                os.kill(os.getpid(), signal.SIGKILL)
             poll_and_all_reduce([self.sender], self.gloo_group)
-            time.sleep(0.005)
+            # 50 ms iterations when wedging: the siblings' last count comes one iteration after
+            # the wedged rank's, far apart enough for any scheduling noise on a loaded machine.
+            time.sleep(0.05 if a.wedge_s else 0.005)
 
 
 def main() -> None:

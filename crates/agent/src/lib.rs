@@ -216,6 +216,10 @@ pub(crate) struct Shared {
     pub refused: Mutex<Option<String>>,
     /// The host's loop iterations ([`Agent::progress`]), read by the stall watch.
     pub progress: AtomicU64,
+    /// When the last one happened ([`stall::monotonic_ms`]): the stall watch wakes only every
+    /// quarter of `stall_after`, and the order of a group's stall records must be the order
+    /// in which its ranks stopped, to the millisecond, not to the watch's step.
+    pub progress_at_ms: AtomicU64,
 }
 
 impl Shared {
@@ -257,6 +261,7 @@ impl Progress {
     #[inline]
     pub fn tick(&self) {
         self.0.progress.fetch_add(1, Ordering::Relaxed);
+        self.0.progress_at_ms.store(stall::monotonic_ms(), Ordering::Relaxed);
     }
 }
 
@@ -370,6 +375,9 @@ impl Agent {
     #[inline]
     pub fn progress(&self) {
         self.shared.progress.fetch_add(1, Ordering::Relaxed);
+        self.shared
+            .progress_at_ms
+            .store(stall::monotonic_ms(), Ordering::Relaxed);
     }
 
     /// A handle for [`Agent::progress`] that needs no reference to the agent (a host that

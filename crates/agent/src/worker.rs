@@ -250,8 +250,7 @@ async fn stall_watch(config: AgentConfig, mut client: Client, shared: Arc<Shared
     let keys = Keys::new(&config.prefix);
     let key = keys.stall(&config.group, config.rank);
     let mut detector = crate::stall::StallDetector::new(config.stall_after);
-    let origin = Instant::now();
-    let mono_ms = || u64::try_from(origin.elapsed().as_millis()).unwrap_or(u64::MAX);
+    let mono_ms = crate::stall::monotonic_ms;
     // (incarnation, since_ms, stalled_ms) of the record to keep in etcd; the incarnation it is
     // written under (0: not written yet).
     let mut want: Option<(u64, u64)> = None;
@@ -264,7 +263,9 @@ async fn stall_watch(config: AgentConfig, mut client: Client, shared: Arc<Shared
             _ = stop.changed() => return,
         }
         let now = mono_ms();
-        match detector.observe(shared.progress.load(Ordering::Relaxed), now) {
+        let count = shared.progress.load(Ordering::Relaxed);
+        let at = shared.progress_at_ms.load(Ordering::Relaxed);
+        match detector.observe(count, at, now) {
             Some(StallAction::Stalled { since_ms, stalled_ms }) => {
                 warn!(
                     stalled_ms,
