@@ -220,6 +220,9 @@ pub(crate) struct Shared {
     /// quarter of `stall_after`, and the order of a group's stall records must be the order
     /// in which its ranks stopped, to the millisecond, not to the watch's step.
     pub progress_at_ms: AtomicU64,
+    /// Set by a clean shutdown before it revokes the lease: the liveness loop must not take
+    /// the revoked lease for a lost one and register a new incarnation on the way out.
+    pub stopping: AtomicBool,
 }
 
 impl Shared {

@@ -139,7 +139,7 @@ async fn liveness(
     // The lease of the incarnation that refused us last, to say a refusal once per holder.
     let mut refused_by: Option<i64> = None;
     'register: loop {
-        if *stop.borrow() {
+        if *stop.borrow() || shared.stopping.load(Ordering::SeqCst) {
             return;
         }
         // Register: a new lease, the live key and any attachments on it.
@@ -233,6 +233,15 @@ async fn liveness(
                             since_ok_ms = last_ok.elapsed().as_millis() as u64,
                             "keepalive failed; reopening"
                         );
+                        if last_ok.elapsed() > Duration::from_secs(ttl as u64) {
+                            // No keepalive got through for a whole TTL: etcd has expired the
+                            // lease (or it was revoked), whatever the stream says.
+                            warn!(
+                                incarnation = lease,
+                                "no keepalive for a whole lease TTL; registering a new incarnation"
+                            );
+                            continue 'register;
+                        }
                         tokio::select! { _ = tokio::time::sleep(backoff.next_pause()) => {}, _ = stop.changed() => return }
                         break;
                     }
@@ -623,12 +632,16 @@ async fn publisher(
                     info!("rank shut down before its registration was accepted");
                 } else if clean {
                     let reason = Reason::well_known(rootrank_core::ids::reasons::SHUTDOWN);
+                    let incarnation = wait_incarnation(&shared).await;
+                    // From here the liveness loop registers nothing new (after the wait: a
+                    // rank that is still registering must get its incarnation to certify).
+                    shared.stopping.store(true, Ordering::SeqCst);
                     let down = certify(
                         reason,
                         "clean exit".into(),
                         None,
                         rootrank_store::unix_ms(),
-                        wait_incarnation(&shared).await,
+                        incarnation,
                     );
                     write_certificate(&keys, &mut writer, &down).await;
                     let lease = shared.incarnation.load(Ordering::SeqCst);
