@@ -7,6 +7,19 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail};
 
+/// `--coordinator URL[,URL...]` as base URLs without a trailing slash.
+pub fn replica_urls(bases: &str) -> anyhow::Result<Vec<String>> {
+    let bases: Vec<String> = bases
+        .split(',')
+        .map(|b| b.trim().trim_end_matches('/').to_string())
+        .filter(|b| !b.is_empty())
+        .collect();
+    if bases.is_empty() {
+        bail!("no coordinator URL: pass --coordinator URL[,URL...] or set ROOTRANK_COORDINATOR");
+    }
+    Ok(bases)
+}
+
 pub struct Api {
     bases: Vec<String>,
     http: reqwest::Client,
@@ -15,14 +28,7 @@ pub struct Api {
 
 impl Api {
     pub fn new(bases: &str, timeout: Duration) -> anyhow::Result<Self> {
-        let bases: Vec<String> = bases
-            .split(',')
-            .map(|b| b.trim().trim_end_matches('/').to_string())
-            .filter(|b| !b.is_empty())
-            .collect();
-        if bases.is_empty() {
-            bail!("no coordinator URL: pass --coordinator URL[,URL...] or set ROOTRANK_COORDINATOR");
-        }
+        let bases = replica_urls(bases)?;
         let http = reqwest::Client::builder().build()?;
         Ok(Api { bases, http, timeout })
     }

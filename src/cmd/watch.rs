@@ -5,7 +5,7 @@
 use std::process::ExitCode;
 use std::time::Duration;
 
-use anyhow::{anyhow, bail};
+use anyhow::anyhow;
 use serde_json::Value;
 
 use super::CoordinatorArgs;
@@ -31,16 +31,7 @@ pub fn run(a: WatchArgs) -> anyhow::Result<ExitCode> {
 }
 
 async fn follow(a: WatchArgs) -> anyhow::Result<ExitCode> {
-    let bases: Vec<String> = a
-        .coordinator
-        .coordinator
-        .split(',')
-        .map(|b| b.trim().trim_end_matches('/').to_string())
-        .filter(|b| !b.is_empty())
-        .collect();
-    if bases.is_empty() {
-        bail!("no coordinator URL: pass --coordinator URL[,URL...] or set ROOTRANK_COORDINATOR");
-    }
+    let bases = super::client::replica_urls(&a.coordinator.coordinator)?;
     let http = reqwest::Client::builder().build()?;
     let mut since = a.since;
     let mut pause = Duration::from_millis(200);

@@ -161,3 +161,12 @@ def spawn_python(code: str, env: dict, log: Path) -> subprocess.Popen:
     """A Python rank process (this interpreter, the wheel installed)."""
     return subprocess.Popen([sys.executable, "-c", code], env={**os.environ, **env},
                             stdout=open(log, "w"), stderr=subprocess.STDOUT)
+
+
+def node_watch_with_py_spy(etcd: Etcd, tmp: Path) -> subprocess.Popen:
+    """`rootrank node-watch` on this host, reading stalled ranks' stacks with the py-spy that
+    scripts/sglang-venv.sh installs next to this interpreter."""
+    py_spy = os.path.join(os.path.dirname(sys.executable), "py-spy")
+    assert os.access(py_spy, os.X_OK), f"{py_spy}: scripts/sglang-venv.sh installs py-spy"
+    return subprocess.Popen([ROOTRANK_BIN, "node-watch", "--etcd-endpoints", etcd.url, "--py-spy", py_spy],
+                            stdout=open(tmp / "node-watch.log", "w"), stderr=subprocess.STDOUT)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Etcd, free_port, wait_until
+from conftest import Etcd, free_port, node_watch_with_py_spy, wait_until
 
 HERE = Path(__file__).resolve().parent
 LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
@@ -266,9 +266,7 @@ def test_14_a_wedged_scheduler_is_the_suspect_and_its_siblings_wait(tmp, etcd, c
     world, wedged, gloo, boot = 4, 2, free_port(), free_port()
     env = sglang_env(tmp, ROOTRANK_LEASE_TTL_MS="2000", ROOTRANK_ETCD_ENDPOINTS=etcd.url,
                      ROOTRANK_COORDINATOR=coordinator.url, ROOTRANK_STALL_AFTER_MS="1500")
-    py_spy = os.path.join(os.path.dirname(sys.executable), "py-spy")
-    watcher = subprocess.Popen([os.environ.get("ROOTRANK_BIN", "rootrank"), "node-watch", "--etcd-endpoints", etcd.url,
-                                "--py-spy", py_spy], stdout=open(tmp / "node-watch.log", "w"), stderr=subprocess.STDOUT)
+    watcher = node_watch_with_py_spy(etcd, tmp)
     procs = []
     for rank in range(world):
         cmd = [sys.executable, str(HERE / "sglang_scheduler.py"), "--rank", str(rank), "--world", str(world),

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import threading
 import time
 
 import pytest
 
 import rootrank
-from conftest import Coordinator, spawn_python, wait_until
+from conftest import ROOTRANK_BIN, Coordinator, node_watch_with_py_spy, spawn_python, wait_until
 
 # A rank's loop: one progress() per iteration. WEDGE=secs: after 1 s the loop wedges in a C
 # call that keeps the GIL (PyDLL), as a rank stuck in a driver call does; the agent's own
@@ -111,17 +112,10 @@ def test_a_wedged_rank_holding_the_gil_is_stalled_first_and_named_the_suspect(et
     """Rank 1 wedges in a C call that holds the GIL; rank 0 then waits on it (as siblings
     wait in the collective). Both stall; rank 1's record comes first by revision: suspect.
     node-watch on this host reads the stalled ranks' Python stacks (py-spy) into the records."""
-    import subprocess
-    import sys
-
-    from conftest import ROOTRANK_BIN
 
     g = "wait-stall"
     env = {"ROOTRANK_ETCD_ENDPOINTS": etcd.url, "G": g, "STALL_MS": "500", "WEDGE": "0"}
-    py_spy = os.path.join(os.path.dirname(sys.executable), "py-spy")
-    assert os.access(py_spy, os.X_OK), f"{py_spy}: scripts/sglang-venv.sh installs py-spy"
-    watcher = subprocess.Popen([ROOTRANK_BIN, "node-watch", "--etcd-endpoints", etcd.url, "--py-spy", py_spy],
-                               stdout=open(tmp / "node-watch.log", "w"), stderr=subprocess.STDOUT)
+    watcher = node_watch_with_py_spy(etcd, tmp)
     events = Events(coordinator.url, group=g)
     r1 = spawn_python(LOOP, {**env, "R": "1", "WEDGE": "5"}, tmp / "r1.log")
     r0 = spawn_python(LOOP, {**env, "R": "0", "WAIT_AT": "2.5", "WAIT_S": "3"}, tmp / "r0.log")
@@ -148,9 +142,6 @@ def test_a_wedged_rank_holding_the_gil_is_stalled_first_and_named_the_suspect(et
         status, groups = coordinator.http("/v1/groups")
         assert next(x for x in groups["groups"] if x["group"] == g)["stalled"] == 2, groups
         # `rootrank status` shows it for people.
-        import subprocess
-        from conftest import ROOTRANK_BIN
-
         out = subprocess.run([ROOTRANK_BIN, "status", "--group", g, "--coordinator", coordinator.url],
                              capture_output=True, text=True, timeout=20).stdout
         assert "stalled" in out and "suspect" in out, out
@@ -238,16 +229,10 @@ def test_events_and_health_reject_bad_input_and_a_slow_reader_cannot_grow_the_co
 def test_a_deadlocked_rank_is_stalled_with_its_stack_and_a_busy_rank_never_is(etcd, coordinator, tmp):
     """A pure-Python deadlock (a lock taken twice) stalls; an iteration that burns the CPU for
     60% of stall_after_ms, every iteration, never does."""
-    import subprocess
-    import sys
-
-    from conftest import ROOTRANK_BIN
 
     g = "wait-deadlock"
     env = {"ROOTRANK_ETCD_ENDPOINTS": etcd.url, "G": g, "STALL_MS": "500"}
-    py_spy = os.path.join(os.path.dirname(sys.executable), "py-spy")
-    watcher = subprocess.Popen([ROOTRANK_BIN, "node-watch", "--etcd-endpoints", etcd.url, "--py-spy", py_spy],
-                               stdout=open(tmp / "node-watch.log", "w"), stderr=subprocess.STDOUT)
+    watcher = node_watch_with_py_spy(etcd, tmp)
     events = Events(coordinator.url, group=g)
     dead = spawn_python(LOOP, {**env, "R": "0", "DEADLOCK_AT": "1"}, tmp / "r0.log")
     busy = spawn_python(LOOP, {**env, "R": "1", "BUSY_MS": "300", "RUN_S": "8"}, tmp / "r1.log")
@@ -269,9 +254,6 @@ def test_a_deadlocked_rank_is_stalled_with_its_stack_and_a_busy_rank_never_is(et
 
 def test_rootrank_watch_prints_what_changes_for_people_and_as_json(etcd, coordinator, tmp):
     import json
-    import subprocess
-
-    from conftest import ROOTRANK_BIN
 
     g = "wait-cli"
     people = subprocess.Popen([ROOTRANK_BIN, "watch", "--group", g, "--coordinator", coordinator.url],

@@ -64,27 +64,6 @@ fn run(ops: &[Op]) -> World {
     w
 }
 
-/// The index a restarted coordinator would build from the world's current etcd state.
-fn snapshot_index(w: &World) -> Index {
-    let mut idx = Index::new(rootrank_core::IndexConfig::default());
-    idx.load_snapshot(snapshot_events(w), w.rev);
-    idx
-}
-
-/// The world's etcd state as a snapshot read delivers it, in key order.
-fn snapshot_events(w: &World) -> Vec<rootrank_core::Event> {
-    w.kv.iter()
-        .map(|(k, (v, lease, rev))| rootrank_core::Event::Put {
-            key: k.as_bytes().to_vec(),
-            value: v.clone(),
-            lease: *lease,
-            revision: *rev,
-            create_revision: w.created.get(k).copied().unwrap_or(*rev),
-            observed_at_ms: w.now,
-        })
-        .collect()
-}
-
 fn verdicts(index: &Index, now: i64) -> Vec<serde_json::Value> {
     ROOMS
         .iter()

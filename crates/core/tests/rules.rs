@@ -708,23 +708,6 @@ fn stall(w: &mut World, g: &str, r: u32, stack: Option<&[&str]>) {
     w.put_raw(&key_stall(g, r), v.to_string().into_bytes(), inc);
 }
 
-fn snapshot_of(w: &World) -> rootrank_core::Index {
-    let mut idx = rootrank_core::Index::new(rootrank_core::IndexConfig::default());
-    let events =
-        w.kv.iter()
-            .map(|(k, (v, lease, rev))| rootrank_core::Event::Put {
-                key: k.as_bytes().to_vec(),
-                value: v.clone(),
-                lease: *lease,
-                revision: *rev,
-                create_revision: w.created[k],
-                observed_at_ms: w.now,
-            })
-            .collect();
-    idx.load_snapshot(events, w.rev);
-    idx
-}
-
 fn states(idx: &rootrank_core::Index) -> Vec<RankStateKind> {
     let g = rootrank_core::GroupId::new(G).unwrap();
     idx.group(&g).unwrap().ranks.iter().map(|r| r.state).collect()
@@ -770,8 +753,8 @@ fn v3_the_first_stall_by_revision_is_the_suspect_and_the_others_wait() {
     assert_eq!(view.ranks[3].state, RankStateKind::Live);
     assert_eq!(w.index.first_stall(&g), Some(2));
     // A reload sees the same suspect (create revision, not the rewrite's).
-    assert_eq!(snapshot_of(&w).first_stall(&g), Some(2));
-    assert_eq!(states(&snapshot_of(&w)), states(&w.index));
+    assert_eq!(snapshot_index(&w).first_stall(&g), Some(2));
+    assert_eq!(states(&snapshot_index(&w)), states(&w.index));
     // Health names the three stalled ranks; the metric says stalled but up.
     let unhealthy = w.index.unhealthy(std::slice::from_ref(&g));
     assert_eq!(unhealthy.iter().map(|u| u.rank).collect::<Vec<_>>(), vec![0, 1, 2]);
