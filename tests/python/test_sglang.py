@@ -568,7 +568,7 @@ def test_11_each_dp_replica_is_its_own_group_and_a_taken_rank_is_refused(tmp, et
 
 class Machines:
     """Two "machines" on this one: network namespaces A and B, each process in them with its
-    own hostname (a UTS namespace), joined to the host by a veth pair (etcd is reached there)
+    own hostname (a UTS namespace) and /dev/shm, joined to the host by a veth pair (etcd is reached there)
     and to each other by one (the multi-node instance's traffic)."""
 
     def __init__(self):
@@ -601,8 +601,10 @@ class Machines:
         subprocess.run(["ip", *args], check=True, capture_output=True)
 
     def command(self, i: int, hostname: str, argv: list) -> list:
-        return ["ip", "netns", "exec", self.ns[i], "unshare", "--uts", "sh", "-c", f'hostname {hostname} && exec "$@"',
-                "sh", *argv]
+        # Its own /dev/shm too: SGLang tells ranks on one node from ranks on two by whether they
+        # can open each other's shared memory, and two machines cannot.
+        return ["ip", "netns", "exec", self.ns[i], "unshare", "--uts", "--mount", "sh", "-c",
+                f'hostname {hostname} && mount -t tmpfs -o size=256m tmpfs /dev/shm && exec "$@"', "sh", *argv]
 
     def close(self) -> None:
         for ns in self.ns:
@@ -612,22 +614,26 @@ class Machines:
 def test_12_two_machines_with_the_same_flags_are_two_groups(tmp):
     """Two machines (network namespaces with hostnames machine-a and machine-b) each run a
     prefill instance with the same flags (--host 127.0.0.1, the same bootstrap port): two
-    groups, where naming by --host made one. (A multi-node instance shares --dist-init-addr,
-    so its ranks share a group: tests/python/test_plugin.py; across namespaces that case is
-    not run here yet.)"""
+    groups, where naming by --host made one. And one instance spanning both machines
+    (multi-node TP=2: --dist-init-addr on machine-a's link, --nnodes 2, torch.distributed over
+    gloo across the link, as SGLang initialises it): one group of two ranks, one per machine."""
     m = Machines()
     etcd = Etcd(tmp, hosts=tuple(m.host_ip))
     procs = {}
     try:
         tiny_model(tmp)
         base = sglang_env(tmp)
-        same_flags = 18998
+        same_flags, dist_init = 18998, f"{m.link_ip[0]}:18997"
         for i, host in enumerate(("machine-a", "machine-b")):
             env = {**base, "ROOTRANK_ETCD_ENDPOINTS": f"http://{m.host_ip[i]}:{etcd.client_port}",
-                   # What SGLang would find on a real machine's NIC (these veths are not named like one).
-                   "SGLANG_HOST_IP": m.link_ip[i]}
+                   # What SGLang would find on a real machine's NIC (these veths are not named like one),
+                   # and the interface a multi-node operator gives gloo (the hostname resolves nowhere).
+                   "SGLANG_HOST_IP": m.link_ip[i], "GLOO_SOCKET_IFNAME": m.link_if[i]}
+            multi = ["--bootstrap-port", "18996", "--tp-size", "2", "--dp-size", "1", "--world-rank", str(i),
+                     "--dist-init-addr", dist_init, "--nnodes", "2"] + (["--serve-bootstrap"] if i == 0 else [])
             for name, args in ((f"alone-{host}", ["--bootstrap-port", str(same_flags), "--tp-size", "1", "--dp-size", "1",
-                                                  "--world-rank", "0", "--serve-bootstrap"]),):
+                                                  "--world-rank", "0", "--serve-bootstrap"]),
+                               (f"multi-{host}", multi)):
                 out = tmp / f"{name}.json"
                 argv = [sys.executable, str(HERE / "sglang_identity.py"), "--out", str(out), "--model-dir", str(tmp / "model"), *args]
                 procs[name] = (subprocess.Popen(m.command(i, host, argv), env=env, stdout=open(tmp / f"{name}.log", "w"),
@@ -640,9 +646,12 @@ def test_12_two_machines_with_the_same_flags_are_two_groups(tmp):
         alone = {n: (g["group"], g["rank"], g["size"]) for n, g in got.items() if n.startswith("alone")}
         assert alone == {"alone-machine-a": (f"prefill-machine-a:{same_flags}-dp0", 0, 1),
                          "alone-machine-b": (f"prefill-machine-b:{same_flags}-dp0", 0, 1)}, alone
+        multi = {n: (g["group"], g["rank"], g["size"]) for n, g in got.items() if n.startswith("multi")}
+        assert multi == {"multi-machine-a": (f"prefill-{dist_init}-dp0", 0, 2),
+                         "multi-machine-b": (f"prefill-{dist_init}-dp0", 1, 2)}, multi
         assert all(g["incarnation"] and g["registration_error"] is None for g in got.values()), got
         lives = [k for k, _ in etcd.get_prefix("/rootrank/v1/groups/") if k.endswith("/live")]
-        assert len(lives) == 2, lives
+        assert len(lives) == 4, lives
         print("groups:", sorted({g["group"] for g in got.values()}))
     finally:
         for p, out in procs.values():
