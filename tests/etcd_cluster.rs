@@ -61,6 +61,16 @@ async fn a_watch_resumed_after_compaction_reloads_the_index() {
     let mut r = Rank::start(&other, "prefill-8", 0, 1, 5000).unwrap();
     r.fail(800, "local", "nixl_error", "before").unwrap();
     r.flush().unwrap();
+    // A second group, whose rank 1 will die while the coordinator cannot watch.
+    let mut g9: Vec<Rank> = (0..2)
+        .map(|rank| Rank::start(&other, "prefill-9", rank, 2, 1_000).unwrap())
+        .collect();
+    eventually(Duration::from_secs(20), "prefill-9 live on the coordinator", || async {
+        let (_, g) = coord.get("/v1/groups/prefill-9").await.ok()?;
+        (g["ranks"][1]["state"] == "live").then_some(())
+    })
+    .await
+    .unwrap();
     eventually(Duration::from_secs(20), "room 800", || async {
         let (_, v) = coord.get("/v1/rooms/800/verdict").await.ok()?;
         (v["status"] == "resolved").then_some(())
@@ -74,6 +84,22 @@ async fn a_watch_resumed_after_compaction_reloads_the_index() {
     }
     r.flush().unwrap();
     let mut c = Client::connect([other.clone()], None).await.unwrap();
+    // prefill-9 rank 1 is SIGKILLed and its lease expires (nobody certifies it: the only
+    // coordinator is cut off); rank 0 records the room it was in as a victim sees it.
+    g9.remove(1).kill9();
+    eventually(Duration::from_secs(20), "rank 1's live key gone from etcd", || {
+        let mut c = c.clone();
+        async move {
+            let got = c.get("/rootrank/v1/groups/prefill-9/ranks/1/live", None).await.ok()?;
+            got.kvs().is_empty().then_some(())
+        }
+    })
+    .await
+    .unwrap();
+    g9[0]
+        .fail(812, "propagated", "other", "NIXL KVSender Exception")
+        .unwrap();
+    g9[0].flush().unwrap();
     // Compacted strictly past the outage's records: one more write, and the compaction at
     // its revision. At the records' own last revision, a watch resumed exactly there (the
     // coordinator may have seen every revision before it) would still be served.
@@ -130,6 +156,37 @@ async fn a_watch_resumed_after_compaction_reloads_the_index() {
         coord.get("/v1/rooms/800/verdict").await.unwrap().1["culprit"]["reason"],
         "nixl_error"
     );
+    // The death it did not watch (its delete was compacted away) is counted all the same:
+    // rank 1 is down, the victim's room names it, and its certificate is in etcd.
+    let v = eventually(Duration::from_secs(30), "room 812 resolved", || async {
+        let (_, v) = coord.get("/v1/rooms/812/verdict?group=prefill-9").await.ok()?;
+        (v["status"] == "resolved").then_some(v)
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        (&v["culprit"]["rank"], &v["culprit"]["reason"]),
+        (&serde_json::json!(1), &serde_json::json!("lease_expired")),
+        "{v}"
+    );
+    let (_, g) = coord.get("/v1/groups/prefill-9").await.unwrap();
+    assert_eq!(g["ranks"][1]["state"], "down", "{g}");
+    let certs = eventually(Duration::from_secs(20), "rank 1's certificate", || {
+        let mut c = c.clone();
+        async move {
+            let got = c
+                .get(
+                    "/rootrank/v1/groups/prefill-9/ranks/1/down/",
+                    Some(rootrank_store::etcd_client::GetOptions::new().with_prefix()),
+                )
+                .await
+                .ok()?;
+            (!got.kvs().is_empty()).then(|| got.kvs().len())
+        }
+    })
+    .await
+    .unwrap();
+    assert_eq!(certs, 1);
     let log = coord.log_text();
     assert!(
         log.contains("compacted") && log.contains("reloading"),

@@ -216,6 +216,16 @@ async fn a_partitioned_replica_says_not_current_and_recovers_and_a_partitioned_r
     .await
     .unwrap();
 
+    // A scheduler's long poll waits on A (room 77 has no records: pending until the wait ends).
+    let long_poll = tokio::spawn({
+        let url = format!("{a_url}/v1/rooms/77/verdict?group=part-0&wait_ms=30000");
+        async move {
+            let asked = Instant::now();
+            (status(&url).await, asked.elapsed())
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
     // The partition.
     ns.partition(port);
     let cut = Instant::now();
@@ -226,6 +236,13 @@ async fn a_partitioned_replica_says_not_current_and_recovers_and_a_partitioned_r
     .await
     .unwrap();
     eprintln!("partition detected by replica A in {detected:?}");
+    // The waiting long poll ends with the readiness, not with its 30 s wait and a stale
+    // `pending`: the client can ask another replica within the same call.
+    let (answer, waited) = long_poll.await.unwrap();
+    let (s, v) = answer.expect("A answered the long poll");
+    assert_eq!(s, 503, "{v}");
+    assert_eq!(v["error"]["code"], "not_ready", "{v}");
+    eprintln!("the long poll waiting on A answered 503 not_ready after {waited:?}");
     let (s, v) = status(&format!("{a_url}/v1/rooms/1/verdict?group=part-0"))
         .await
         .unwrap();

@@ -243,6 +243,8 @@ async fn verdict(
     };
     loop {
         revisions.mark_unchanged();
+        // A replica that lost etcd while this request waited answers 503 at once (it is woken).
+        ensure_ready(&shared)?;
         {
             let index = shared.index.read().map_err(|_| ApiError::not_ready())?;
             let current = min_revision.is_none_or(|m| index.revision() >= m);

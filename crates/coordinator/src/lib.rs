@@ -93,6 +93,15 @@ impl Shared {
             events: events::EventLog::default(),
         }))
     }
+
+    /// Marks this replica not current with etcd and wakes every long poll, so each answers
+    /// 503 `not_ready` now (a client then asks another replica) instead of a stale `pending`
+    /// when its wait ends.
+    pub fn set_unready(&self) {
+        if self.ready.swap(false, std::sync::atomic::Ordering::SeqCst) {
+            self.revision_tx.send_modify(|_| {});
+        }
+    }
 }
 
 /// Errors that stop a coordinator from starting.

@@ -34,6 +34,8 @@ async fn run_in_span(config: CoordinatorConfig, shared: Arc<Shared>) {
     let mut need_snapshot = true;
     let mut first_watch = true;
     let mut logged_invalid: HashSet<String> = HashSet::new();
+    // When the last watch ended: deaths found missing at a reload date from then.
+    let mut watch_lost_at_ms = rootrank_store::unix_ms();
     loop {
         let c = match &client {
             Some(c) => c.clone(),
@@ -50,9 +52,16 @@ async fn run_in_span(config: CoordinatorConfig, shared: Arc<Shared>) {
             },
         };
         if need_snapshot {
-            match load(&config, &shared, c.clone(), &cert_tx, &mut logged_invalid)
-                .instrument(info_span!("snapshot"))
-                .await
+            match load(
+                &config,
+                &shared,
+                c.clone(),
+                &cert_tx,
+                &mut logged_invalid,
+                watch_lost_at_ms,
+            )
+            .instrument(info_span!("snapshot"))
+            .await
             {
                 Ok(rev) => {
                     info!(
@@ -75,10 +84,13 @@ async fn run_in_span(config: CoordinatorConfig, shared: Arc<Shared>) {
         first_watch = false;
         // From the last applied revision + 1 (so a re-created watch loses nothing).
         let from = shared.index.read().map(|i| i.revision()).unwrap_or(0) + 1;
-        match watch(&config, &shared, c, from, &cert_tx, &mut logged_invalid, &mut backoff)
+        let end = watch(&config, &shared, c, from, &cert_tx, &mut logged_invalid, &mut backoff)
             .instrument(info_span!("watch", from_revision = from))
-            .await
-        {
+            .await;
+        // Not current from the moment the watch ends, not after the backoff.
+        shared.set_unready();
+        watch_lost_at_ms = rootrank_store::unix_ms();
+        match end {
             WatchEnd::Compacted => {
                 warn!("watch start revision was compacted; reloading the index from a fresh snapshot");
                 need_snapshot = true;
@@ -88,7 +100,6 @@ async fn run_in_span(config: CoordinatorConfig, shared: Arc<Shared>) {
                 tokio::time::sleep(backoff.next_pause()).await;
             }
         }
-        shared.ready.store(false, Ordering::SeqCst);
     }
 }
 
@@ -98,6 +109,7 @@ async fn load(
     client: Client,
     cert_tx: &mpsc::UnboundedSender<Output>,
     logged: &mut HashSet<String>,
+    watch_lost_at_ms: i64,
 ) -> Result<i64, rootrank_store::etcd_client::Error> {
     let prefix = Keys::new(&config.index.prefix).root();
     let mut fresh = Index::new(config.index.clone());
@@ -133,16 +145,35 @@ async fn load(
         total_s = started.elapsed().as_secs_f64(),
         "snapshot read"
     );
-    let previous = {
+    let (previous, vanished, old) = {
         let Ok(mut idx) = shared.index.write() else {
             return Ok(revision);
         };
         let prev = idx.revision();
-        *idx = fresh;
+        // Ranks that died while the watch was down, whose deletes were compacted away.
+        let vanished = if prev > 0 {
+            fresh.carry_vanished_from(&idx, watch_lost_at_ms)
+        } else {
+            Vec::new()
+        };
+        let old = std::mem::replace(&mut *idx, fresh);
         // Under the index lock, so no reader starts between the two.
         shared.events.reset(revision);
-        prev
+        shared.events.append(&idx, &vanished, rootrank_store::unix_ms());
+        (prev, vanished, old)
     };
+    // The old index (up to a million rooms) is freed outside the lock.
+    drop(old);
+    if !vanished.is_empty() {
+        warn!(
+            deaths = vanished
+                .iter()
+                .filter(|o| matches!(o, Output::LiveKeyVanished { .. }))
+                .count(),
+            "ranks vanished while the watch was down; certifying them lease_expired"
+        );
+    }
+    handle_outputs(shared, vanished, cert_tx, logged, true);
     // Counters count what happens while this process watches: a snapshot re-reads the
     // retention window, and counting it again would make `increase()` spike after every
     // restart. Only malformed values are counted (once per process), so they are seen.

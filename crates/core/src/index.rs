@@ -395,6 +395,59 @@ impl Index {
         }
     }
 
+    /// After a reload (this fresh snapshot replaces `old`, e.g. when the watch's revision was
+    /// compacted during an outage): an incarnation live in `old` that is neither live nor dead
+    /// here lost its live key while nobody watched, and etcd no longer holds the delete event.
+    /// Each becomes the `lease_expired` death the watch would have made, at this snapshot's
+    /// revision (the latest it can have happened: it outranks no death that was seen) and at
+    /// `lost_at_ms`, when the watch was lost (the earliest this replica could have seen it:
+    /// the rooms its victims recorded meanwhile come after it), so its certificate is written
+    /// and rooms in its group count it. Returns the outputs, in (group, rank) order.
+    pub fn carry_vanished_from(&mut self, old: &Index, lost_at_ms: i64) -> Vec<Output> {
+        let mut out = Vec::new();
+        let revision = self.revision;
+        for ((group, rank), state) in &old.ranks {
+            let Some(was) = &state.live else { continue };
+            let inc = was.incarnation;
+            let key = (group.clone(), *rank);
+            let still_live = self
+                .ranks
+                .get(&key)
+                .and_then(|s| s.live.as_ref())
+                .is_some_and(|l| l.incarnation == inc);
+            if still_live || self.deaths.contains_key(&(group.clone(), *rank, inc)) {
+                continue;
+            }
+            let here = self.ranks.entry(key).or_default();
+            if !here.history.iter().any(|h| h.incarnation == inc) {
+                here.history.push(was.clone());
+                here.history.sort_by_key(|h| h.registered_revision);
+                if here.history.len() > HISTORY {
+                    here.history.remove(0);
+                }
+            }
+            here.note_registration(inc, was.registered_revision);
+            for endpoint in &was.record.endpoints {
+                self.endpoints
+                    .entry(endpoint.clone())
+                    .or_default()
+                    .insert((group.clone(), *rank));
+            }
+            let info = self.groups.entry(group.clone()).or_default();
+            info.group_size.get_or_insert(was.record.group_size);
+            if let Some(ttl) = was.record.lease_ttl_ms {
+                let ttl = i64::try_from(ttl).unwrap_or(i64::MAX);
+                info.max_lease_ttl_ms = Some(info.max_lease_ttl_ms.map_or(ttl, |m| m.max(ttl)));
+            }
+            let detail = vanished_detail(
+                was,
+                "its live key vanished while this coordinator was not watching (found missing when it reloaded), with no down certificate",
+            );
+            self.incarnation_ended(group, *rank, was, revision, lost_at_ms, detail, &mut out);
+        }
+        out
+    }
+
     /// Applies one event. Events must come in revision order (as etcd delivers them).
     pub fn apply(&mut self, event: Event) -> Vec<Output> {
         let mut out = Vec::new();

@@ -24,7 +24,13 @@ pub enum RecordError {
     Id(#[from] IdError),
     #[error("record disagrees with its key: {0}")]
     KeyMismatch(String),
+    #[error("lease_ttl_ms {0} is out of range (1..={MAX_LEASE_TTL_MS}); the rank's agent wrote a TTL no lease has")]
+    LeaseTtl(u64),
 }
+
+/// The longest liveness lease a live record may claim (one day). The verdict windows add
+/// the slowest TTL to other spans, so an unbounded value would overflow them.
+pub const MAX_LEASE_TTL_MS: u64 = 86_400_000;
 
 /// Where a room failure was seen.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -244,6 +250,9 @@ impl RankLive {
     pub fn parse(raw: &[u8]) -> Result<Self, RecordError> {
         let r: RankLive = parse_versioned(raw, |r: &RankLive| r.v)?;
         check_rank(u64::from(r.rank), u64::from(r.group_size))?;
+        if let Some(ttl) = r.lease_ttl_ms.filter(|t| !(1..=MAX_LEASE_TTL_MS).contains(t)) {
+            return Err(RecordError::LeaseTtl(ttl));
+        }
         Ok(r)
     }
 }
@@ -336,6 +345,16 @@ mod tests {
         assert!(RoomFailure::parse(b"not json").is_err());
         assert!(RankLive::parse(br#"{"v":1,"group":"g","rank":4,"group_size":4}"#).is_err());
         assert!(RankLive::parse(br#"{"v":1,"group":"g","rank":3,"group_size":4}"#).is_ok());
+        // A TTL no lease has would overflow the verdict's windows: refused at parse.
+        for ttl in ["0", "86400001", "18446744073709551615"] {
+            let raw = format!(r#"{{"v":1,"group":"g","rank":0,"group_size":1,"lease_ttl_ms":{ttl}}}"#);
+            assert!(
+                matches!(RankLive::parse(raw.as_bytes()), Err(RecordError::LeaseTtl(_))),
+                "{ttl}"
+            );
+        }
+        let raw = br#"{"v":1,"group":"g","rank":0,"group_size":1,"lease_ttl_ms":86400000}"#;
+        assert_eq!(RankLive::parse(raw).unwrap().lease_ttl_ms, Some(MAX_LEASE_TTL_MS));
         assert!(RankDown::parse(
             br#"{"v":1,"group":"g","rank":3,"incarnation":"0","reason":"oom_host","source":"watchdog"}"#
         )

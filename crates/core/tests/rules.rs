@@ -862,3 +862,56 @@ fn v3_a_stall_record_off_its_incarnations_lease_is_invalid_and_changes_nothing()
     assert_eq!(kinds, vec!["stall", "stall"]);
     assert!(states(&w.index).iter().all(|s| *s == RankStateKind::Live));
 }
+
+#[test]
+fn a_reload_after_compaction_counts_the_deaths_it_did_not_watch() {
+    // The replica's index before its watch went down.
+    let mut w = World::new();
+    w.coordinator_writes = false; // no replica was watching to certify anything
+    group_of_four(&mut w);
+    let before = snapshot_index(&w);
+    let lost_at = w.now;
+    w.advance(1_000);
+    // While nobody watched: rank 1's lease expired (the delete compacted away), rank 3
+    // re-registered, and rank 0 recorded room 31 as propagated (a victim's view).
+    w.vanish(G, 1);
+    w.vanish(G, 3);
+    w.register(G, 3, 4, 5000);
+    w.advance(200);
+    w.record(G, 0, 31, "propagated", "other");
+    let mut fresh = snapshot_index(&w);
+    assert_eq!(verdict_of(&fresh, 31, Some(G), w.now).status, Status::Pending);
+
+    let out = fresh.carry_vanished_from(&before, lost_at);
+    let vanished: Vec<u32> = out
+        .iter()
+        .filter_map(|o| match o {
+            Output::LiveKeyVanished { rank, .. } => Some(*rank),
+            _ => None,
+        })
+        .collect();
+    // Rank 1 died; rank 3's old incarnation ended too (replaced); ranks 0 and 2 live on.
+    assert_eq!(vanished, vec![1, 3]);
+    let v = verdict_of(&fresh, 31, Some(G), w.now);
+    let c = v.culprit.as_ref().expect("a culprit");
+    assert_eq!(
+        (v.status, c.rank, c.reason.as_str()),
+        (Status::Resolved, 1, "lease_expired"),
+        "{v:?}"
+    );
+    // As the replica that watched it all says.
+    let watched = w.verdict(31, Some(G));
+    assert_eq!(watched.culprit.as_ref().map(|c| c.rank), Some(1));
+    // Once rank 1 is certified (the certificate is in the next snapshot), it is not carried
+    // again; rank 3's replaced incarnation still is.
+    w.certify(G, 1, "lease_expired", "coordinator");
+    let again = snapshot_index(&w).carry_vanished_from(&before, lost_at);
+    let ranks: Vec<u32> = again
+        .iter()
+        .filter_map(|o| match o {
+            Output::LiveKeyVanished { rank, .. } => Some(*rank),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(ranks, vec![3]);
+}
