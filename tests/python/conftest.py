@@ -62,7 +62,8 @@ class Etcd:
              "--advertise-client-urls", self.url, "--listen-peer-urls", peer,
              "--initial-advertise-peer-urls", peer, "--initial-cluster", f"n0={peer}",
              "--heartbeat-interval", "10", "--election-timeout", "100", "--log-level", "warn", *self.extra],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            # Its warnings (slow fdatasync, slow applies) explain leases that expire together.
+            stdout=subprocess.DEVNULL, stderr=open(str(self.dir) + ".log", "a"),
         )
         wait_until(lambda: self.get_prefix("/health-probe") == [], 20, "etcd to answer")
 

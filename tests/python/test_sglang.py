@@ -663,3 +663,41 @@ def test_12_two_machines_with_the_same_flags_are_two_groups(tmp):
                 p.kill()
         etcd.kill()
         m.close()
+
+
+@pytest.mark.parametrize("launcher_plugin", [True, False])
+def test_15_the_launcher_names_the_scheduler_it_found_killed(tmp, etcd, coordinator, launcher_plugin):
+    """SGLang's launcher (a parent with the plugin loaded, SGLang's own SubprocessWatchdog over
+    two rank processes) finds rank 1 SIGKILLed; its SIGQUIT cleanup kills rank 0 at once, as
+    with crash dumps off. Neither rank can certify itself. With the plugin in the launcher, it
+    certifies rank 1 (process_exit, signal 9) before the cleanup, and the room rank 0 recorded
+    names rank 1. Without it, the leases decide: rank 0's (1 s) expires before rank 1's (5 s),
+    and rank 0 is named, wrongly (with equal leases the order is random)."""
+    group, room = f"prefill-launcher-{int(launcher_plugin)}-dp0", 7_205_759_403_792_793_601
+    env = sglang_env(tmp, ROOTRANK_ETCD_ENDPOINTS=etcd.url, ROOTRANK_COORDINATOR=coordinator.url,
+                     **({} if launcher_plugin else {"SGLANG_PLUGINS": "not-rootrank"}))
+    log = tmp / "launcher.log"
+    p = subprocess.Popen([sys.executable, str(HERE / "sglang_launcher.py"), "--dir", str(tmp), "--group", group,
+                          "--room", str(room)], env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    try:
+        ready = wait_until(lambda: (tmp / "ready.json").exists() and json.loads((tmp / "ready.json").read_text())
+                           or (p.poll() is not None and AssertionError(log.read_text()[-3000:])), 120, "ranks registered")
+        assert isinstance(ready, dict), ready
+        os.kill(ready["pids"][1], signal.SIGKILL)
+        assert p.wait(60) == 0, log.read_text()[-3000:]
+    finally:
+        if p.poll() is None:
+            p.kill()
+    v = wait_until(lambda: (lambda v: v if v["status"] == "resolved" else None)(coordinator.verdict(room, group)),
+                   30, "the room resolved")
+    c = v["culprit"]
+    text = log.read_text()
+    if not launcher_plugin:
+        assert (c["rank"], c["reason"]) == (0, "lease_expired"), v
+        assert "certified" not in text, text[-2000:]
+        return
+    assert (c["rank"], c["reason"], c["source"]) == (1, "process_exit", "down_certificate"), v
+    assert c["pid"] == ready["pids"][1], v
+    assert (f"rootrank: SGLang's launcher found scheduler_1 (pid {ready['pids'][1]}) killed by signal 9 while its "
+            f"other schedulers lived; certified {group} rank 1") in text, text[-2000:]
+    print("culprit:", c["group"], c["rank"], c["reason"], "-", c["detail"])

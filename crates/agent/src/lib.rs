@@ -13,6 +13,7 @@
 //!   is written, so an etcd restart loses nothing that fit in the queue.
 
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
+pub mod exited;
 pub mod procfs;
 pub mod script;
 pub mod stall;
@@ -43,6 +44,8 @@ pub enum AgentError {
     Stopped,
     #[error("could not start the agent thread: {0}")]
     Thread(#[source] std::io::Error),
+    #[error("etcd: {0}; check that etcd is reachable at the configured endpoints")]
+    Etcd(String),
 }
 
 /// How an agent is set up. [`AgentConfig::new`] fills the defaults of SPEC section 4.

@@ -48,7 +48,7 @@ fn agent_error(py: Python<'_>, e: AgentError) -> PyErr {
     match e {
         AgentError::Invalid(_) | AgentError::Config(_) => invalid(py, e.to_string()),
         AgentError::Stopped => error(py, "AgentStopped", e.to_string(), PyRuntimeError::new_err),
-        AgentError::QueueFull { .. } | AgentError::Thread(_) => {
+        AgentError::QueueFull { .. } | AgentError::Thread(_) | AgentError::Etcd(_) => {
             error(py, "RootrankError", e.to_string(), PyRuntimeError::new_err)
         }
     }
@@ -490,10 +490,63 @@ fn classify_fatal(traceback: &str) -> &'static str {
     rootrank_core::fatal::classify_fatal(traceback)
 }
 
+/// ``certify_exited(pid, *, exit_code=None, signal=None, detail="", etcd_endpoints=None,
+/// prefix=None, timeout_s=2.0)``: for the parent of a rank process that exited (SGLang's
+/// launcher), writes the down certificate (`process_exit`, source `supervisor`, with the exit
+/// status) of every rank whose live record names ``pid`` in this pid namespace, host and boot.
+/// Returns ``[(group, rank), ...]`` certified. Waits at most ``timeout_s`` (the GIL released);
+/// raises ``RootrankError`` when etcd does not take it in time.
+#[pyfunction]
+#[pyo3(signature = (pid, *, exit_code=None, signal=None, detail="", etcd_endpoints=None, prefix=None, timeout_s=2.0))]
+#[allow(clippy::too_many_arguments)]
+fn certify_exited(
+    py: Python<'_>,
+    pid: i64,
+    exit_code: Option<i32>,
+    signal: Option<i32>,
+    detail: &str,
+    etcd_endpoints: Option<&Bound<'_, PyAny>>,
+    prefix: Option<String>,
+    timeout_s: f64,
+) -> PyResult<Vec<(String, u32)>> {
+    let pid = u32::try_from(pid)
+        .ok()
+        .filter(|p| *p > 0)
+        .ok_or_else(|| invalid(py, format!("pid {pid} is not a process id")))?;
+    let endpoints = endpoints_from(py, etcd_endpoints)?;
+    let prefix = prefix
+        .or_else(|| std::env::var("ROOTRANK_PREFIX").ok().filter(|p| !p.is_empty()))
+        .unwrap_or_else(|| DEFAULT_PREFIX.to_string());
+    if !prefix.starts_with('/') || prefix.ends_with('/') {
+        return Err(invalid(
+            py,
+            format!("prefix {prefix:?} must start with '/' and not end with one (e.g. /rootrank/v1)"),
+        ));
+    }
+    let mut text = detail.to_string();
+    rootrank_core::records::truncate_utf8(&mut text, rootrank_core::records::MAX_DETAIL_BYTES);
+    let exited = rootrank_agent::exited::ExitedProcess {
+        pid,
+        code: exit_code,
+        signal,
+        detail: text,
+    };
+    let timeout = duration_from_secs(timeout_s).min(Duration::from_secs(60));
+    let dispatch = log_dispatch();
+    py.detach(move || {
+        tracing::dispatcher::with_default(&dispatch, || {
+            rootrank_agent::exited::certify_exited(endpoints, &prefix, &exited, timeout)
+        })
+    })
+    .map(|ranks| ranks.into_iter().map(|(g, r)| (g.to_string(), r)).collect())
+    .map_err(|e| agent_error(py, e))
+}
+
 #[pymodule]
 fn _rootrank(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyAgent>()?;
     m.add_function(wrap_pyfunction!(classify_fatal, m)?)?;
+    m.add_function(wrap_pyfunction!(certify_exited, m)?)?;
     m.add("AGENT_VERSION", AGENT_VERSION)?;
     Ok(())
 }

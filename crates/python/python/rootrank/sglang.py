@@ -47,7 +47,7 @@ import time
 import traceback
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from rootrank._rootrank import classify_fatal
+from rootrank._rootrank import certify_exited, classify_fatal
 from rootrank.reasons import classify, names_prefill_peer
 
 logger = logging.getLogger("rootrank.sglang")
@@ -60,6 +60,8 @@ FOLLOW_S = 120.0
 COORDINATOR_BACKOFF_S = 5.0
 SHUTDOWN_TIMEOUT_S = 2.0
 FATAL_FLUSH_TIMEOUT_S = 2.0
+# How long the launcher's watchdog thread may wait for etcd to take a dead scheduler's certificate.
+LAUNCHER_CERTIFY_TIMEOUT_S = 2.0
 # Rooms this process already published a local record for (bounded; an old room can be
 # published twice at worst, and etcd keeps the first).
 PUBLISHED_MEMORY = 65536
@@ -348,6 +350,8 @@ class _Plugin:
         # Whether Scheduler.ingest_requests is hooked: then the budget's epoch is one
         # scheduler iteration (else one poll call, as before SGLang had that method).
         self.per_iteration = False
+        # Scheduler pids the launcher certified (see on_children_checked).
+        self.launcher_certified: set = set()
 
     # ---- registration
 
@@ -628,6 +632,30 @@ class _Plugin:
         self.dead = True
         logger.info("rootrank: fatal scheduler exception (%s) certified for %s", reason, ", ".join(self.ranks) or "no rank")
 
+    def on_children_checked(self, processes: List[Any], names: List[str]) -> None:
+        """SGLang's launcher is about to look for a dead scheduler (its subprocess watchdog, once
+        a second); on the first one it finds it SIGQUITs itself and kills the rest, at once when
+        crash dumps are off. Their leases would then expire in an order that says nothing of
+        who died first, so the launcher speaks first for a scheduler that is the only one dead
+        and was killed by a signal (it could not speak for itself: a scheduler that raised
+        certified itself on its way out). Two found dead at once: which died first is unknown,
+        and nothing is claimed."""
+        dead = [(p, n) for p, n in zip(processes, names)
+                if not p.is_alive() and p.exitcode is not None and p.exitcode < 0]
+        gone = [p for p in processes if not p.is_alive()]
+        if len(dead) != 1 or len(gone) != 1:
+            return
+        proc, name = dead[0]
+        if proc.pid in self.launcher_certified:
+            return
+        self.launcher_certified.add(proc.pid)
+        sig = -int(proc.exitcode)
+        detail = f"SGLang's launcher found {name} (pid {proc.pid}) killed by signal {sig} while its other schedulers lived"
+        ranks = certify_exited(int(proc.pid), signal=sig, detail=detail, etcd_endpoints=self.endpoints,
+                               timeout_s=LAUNCHER_CERTIFY_TIMEOUT_S)
+        logger.warning("rootrank: %s; certified %s", detail,
+                       ", ".join(f"{g} rank {r}" for g, r in ranks) or "no rank (it had not registered)")
+
     def on_clean_exit(self) -> None:
         if self.dead:
             return
@@ -802,6 +830,17 @@ def _around_run_event_loop(original: Callable[..., Any], scheduler: Any, *args: 
     return result
 
 
+def _around_check_processes(original: Callable[..., Any], watchdog: Any, *args: Any, **kwargs: Any) -> Any:
+    try:
+        if _plugin is not None:
+            processes = list(getattr(watchdog, "_processes", None) or [])
+            names = list(getattr(watchdog, "_names", None) or [f"process_{i}" for i in range(len(processes))])
+            _plugin.on_children_checked(processes, names)
+    except Exception:
+        _fault("launcher certificate")
+    return original(watchdog, *args, **kwargs)
+
+
 def _called_from(names: Tuple[str, ...]) -> bool:
     frame = sys._getframe(1)
     while frame is not None:
@@ -892,6 +931,8 @@ def _install(plugin: "_Plugin") -> None:
     # its whole import tree early in every process (an SGLang without the method logs that
     # the hook did not apply, and the budget stays per poll call).
     hook("sglang.srt.managers.scheduler.Scheduler.ingest_requests", _before_ingest, HookType.BEFORE)
+    # In the launcher: its watchdog over the scheduler processes (named, as above).
+    hook("sglang.srt.utils.watchdog.SubprocessWatchdog._check_processes", _around_check_processes, HookType.AROUND)
     _plugin = plugin
     atexit.register(plugin.at_exit)
     try:
