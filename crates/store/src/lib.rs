@@ -304,9 +304,16 @@ impl RetentionLeases {
     }
 }
 
-/// Whether an etcd error says a lease is gone (expired, revoked, or etcd lost it).
+/// Whether an etcd error says a lease is gone (expired, revoked, or etcd lost it): etcd's
+/// `ErrGRPCLeaseNotFound`, gRPC `NotFound` (the only `NotFound` the calls we make return).
 pub fn is_lease_not_found(e: &etcd_client::Error) -> bool {
-    e.to_string().contains("requested lease not found")
+    matches!(e, etcd_client::Error::GRpcStatus(s) if s.code() == tonic::Code::NotFound)
+}
+
+/// Whether an etcd error says the revision asked for was compacted: etcd's `ErrGRPCCompacted`,
+/// gRPC `OutOfRange`.
+pub fn is_compacted(e: &etcd_client::Error) -> bool {
+    matches!(e, etcd_client::Error::GRpcStatus(s) if s.code() == tonic::Code::OutOfRange)
 }
 
 /// The smallest key greater than every key with this prefix.

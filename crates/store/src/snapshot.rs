@@ -206,7 +206,7 @@ async fn with_retries(
         match client.get(start.to_vec(), Some(opts.clone())).await {
             Ok(r) => return Ok(r),
             // A compacted revision cannot be read again: the caller starts a new snapshot.
-            Err(e) if attempt >= 20 || e.to_string().contains("compacted") => return Err(e),
+            Err(e) if attempt >= 20 || crate::is_compacted(&e) => return Err(e),
             Err(e) => {
                 attempt += 1;
                 tracing::debug!(error = %e, attempt, "snapshot request failed; retrying at the same revision");

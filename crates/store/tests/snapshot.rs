@@ -199,4 +199,5 @@ async fn a_revision_compacted_mid_read_is_an_error_not_a_partial_snapshot() {
     .expect("the read ends, it does not hang");
     let err = result.expect_err("a compacted revision cannot give a whole snapshot");
     assert!(err.to_string().contains("compacted"), "{err}");
+    assert!(rootrank_store::is_compacted(&err), "{err:?}");
 }
