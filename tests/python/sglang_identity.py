@@ -15,9 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
-import traceback
 
 
 def main(a) -> None:
@@ -78,9 +76,6 @@ if __name__ == "__main__":
     ap.add_argument("--serve-bootstrap", action="store_true")
     ap.add_argument("--dist-init-addr", default=None)
     ap.add_argument("--nnodes", type=int, default=1)
-    try:
-        main(ap.parse_args())
-    except BaseException:
-        traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(2)
+    import sglang_kit
+
+    sglang_kit.run_script(main, ap)

@@ -56,3 +56,18 @@ def kv_args(rank: int, pages: int, total_kv_heads: int = 1):
     a.rust_http_port, a.pp_rank, a.prefill_start_layer, a.prefill_end_layer = None, 0, 0, 1
     a.mla_compression_ratios, a.kv_buf_groups, a.hidden_kv_layers, a.draft_kv_layers, a.num_draft_entries = None, 1, 1, 0, 0
     return a, kv
+
+
+def run_script(main, parser) -> None:
+    """A rank script's entry: `main(args)`; on any exception its traceback, then exit 2 at
+    once (os._exit: no atexit, as a crashed rank would not run one), which the tests read."""
+    import os
+    import sys
+    import traceback
+
+    try:
+        main(parser.parse_args())
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(2)

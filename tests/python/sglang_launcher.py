@@ -21,7 +21,6 @@ import os
 import signal
 import sys
 import time
-import traceback
 
 
 def write(path: str, obj) -> None:
@@ -81,9 +80,6 @@ if __name__ == "__main__":
     ap.add_argument("--dir", required=True)
     ap.add_argument("--group", required=True)
     ap.add_argument("--room", type=int, required=True)
-    try:
-        main(ap.parse_args())
-    except BaseException:
-        traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(2)
+    import sglang_kit
+
+    sglang_kit.run_script(main, ap)

@@ -24,9 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
-import traceback
 
 N_PAGES = 8
 
@@ -168,9 +166,6 @@ if __name__ == "__main__":
     ap.add_argument("--wait-s", type=float, default=120.0)
     ap.add_argument("--dir", required=True)
     ap.add_argument("--model-dir", required=True)
-    try:
-        main(ap.parse_args())
-    except BaseException:
-        traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(2)
+    import sglang_kit
+
+    sglang_kit.run_script(main, ap)

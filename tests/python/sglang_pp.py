@@ -20,9 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
-import traceback
 
 TP, PP = 2, 2
 
@@ -99,9 +97,6 @@ if __name__ == "__main__":
         ap.add_argument(f"--{name}", type=int, required=True)
     ap.add_argument("--dir", required=True)
     ap.add_argument("--model-dir", required=True)
-    try:
-        main(ap.parse_args())
-    except BaseException:
-        traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(2)
+    import sglang_kit
+
+    sglang_kit.run_script(main, ap)

@@ -863,6 +863,17 @@ fn v3_a_stall_record_off_its_incarnations_lease_is_invalid_and_changes_nothing()
     assert!(states(&w.index).iter().all(|s| *s == RankStateKind::Live));
 }
 
+/// The ranks whose live key vanished, as the outputs say.
+fn vanished_ranks(outputs: &[Output]) -> Vec<u32> {
+    outputs
+        .iter()
+        .filter_map(|o| match o {
+            Output::LiveKeyVanished { rank, .. } => Some(*rank),
+            _ => None,
+        })
+        .collect()
+}
+
 #[test]
 fn a_reload_after_compaction_counts_the_deaths_it_did_not_watch() {
     // The replica's index before its watch went down.
@@ -883,15 +894,8 @@ fn a_reload_after_compaction_counts_the_deaths_it_did_not_watch() {
     assert_eq!(verdict_of(&fresh, 31, Some(G), w.now).status, Status::Pending);
 
     let out = fresh.carry_vanished_from(&before, lost_at);
-    let vanished: Vec<u32> = out
-        .iter()
-        .filter_map(|o| match o {
-            Output::LiveKeyVanished { rank, .. } => Some(*rank),
-            _ => None,
-        })
-        .collect();
     // Rank 1 died; rank 3's old incarnation ended too (replaced); ranks 0 and 2 live on.
-    assert_eq!(vanished, vec![1, 3]);
+    assert_eq!(vanished_ranks(&out), vec![1, 3]);
     let v = verdict_of(&fresh, 31, Some(G), w.now);
     let c = v.culprit.as_ref().expect("a culprit");
     assert_eq!(
@@ -906,12 +910,5 @@ fn a_reload_after_compaction_counts_the_deaths_it_did_not_watch() {
     // again; rank 3's replaced incarnation still is.
     w.certify(G, 1, "lease_expired", "coordinator");
     let again = snapshot_index(&w).carry_vanished_from(&before, lost_at);
-    let ranks: Vec<u32> = again
-        .iter()
-        .filter_map(|o| match o {
-            Output::LiveKeyVanished { rank, .. } => Some(*rank),
-            _ => None,
-        })
-        .collect();
-    assert_eq!(ranks, vec![3]);
+    assert_eq!(vanished_ranks(&again), vec![3]);
 }
