@@ -2,6 +2,8 @@
 # Every target installs what it needs first (scripts/deps.sh, scripts/fetch-nixl.sh), idempotently.
 
 CARGO ?= cargo
+# The debug binary the Python tiers start as the coordinator (cargo's target dir, wherever it is).
+ROOTRANK_DEBUG_BIN ?= $(if $(CARGO_TARGET_DIR),$(abspath $(CARGO_TARGET_DIR)),$(CURDIR)/target)/debug/rootrank
 
 .PHONY: all deps nixl build test lint demo serve clean
 
@@ -22,9 +24,12 @@ lint: deps
 
 # Every test: the verdict core (tables and properties), the crates' own tests, and the
 # end-to-end tests on real etcd, real rank processes and real NIXL.
+# Last, the real-server tier (mk/python.mk): a real SGLang PD server with the wheel the
+# Python tests installed (10-14 minutes, ~7 GB of RAM).
 test: nixl lint
 	$(CARGO) build --workspace --bins
 	$(CARGO) test --workspace --no-fail-fast
+	ROOTRANK_SKIP_WHEEL=1 ROOTRANK_BIN=$(ROOTRANK_DEBUG_BIN) scripts/test-server.sh
 
 # The whole story on one machine: private etcd, coordinator, simulated PD deployment with
 # real NIXL transfers, a rank death and a transfer failure, narrated.

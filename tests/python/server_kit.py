@@ -153,8 +153,16 @@ class Stack:
 
     def _spawn(self, what: str, cmd: list, env: dict) -> None:
         log = open(self.tmp / f"{self.name}-{what}.log", "w")
-        self.procs[what] = subprocess.Popen(["nice", "-n", "10", *cmd], env=env, stdout=log, stderr=subprocess.STDOUT,
-                                            start_new_session=True)
+        p = subprocess.Popen(["nice", "-n", "10", *cmd], env=env, stdout=log, stderr=subprocess.STDOUT,
+                             start_new_session=True)
+        self.procs[what] = p
+        # A new session is a new scheduler autogroup (Linux, when sched_autogroup_enabled): nice
+        # then only ranks threads within the session, and each session gets an equal share of the
+        # CPU, etcd's and the coordinator's included. The session's own nice makes nice 10 real.
+        try:
+            Path(f"/proc/{p.pid}/autogroup").write_text("10")
+        except OSError:
+            pass
 
     def log(self, what: str) -> str:
         p = self.tmp / f"{self.name}-{what}.log"

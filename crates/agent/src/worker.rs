@@ -220,6 +220,16 @@ async fn liveness(
                 };
                 match tokio::time::timeout(rootrank_store::REQUEST_TIMEOUT, step).await {
                     Ok(Ok(Some(resp))) if resp.ttl() > 0 => {
+                        let gap = last_ok.elapsed();
+                        if gap > interval * 2 {
+                            // This thread (or etcd) got no CPU for that long: a lease this close to
+                            // its TTL is a false death in waiting, so it is said before it happens.
+                            warn!(
+                                gap_ms = gap.as_millis() as u64,
+                                ttl_s = ttl,
+                                "keepalive late: the last one got through this long ago"
+                            );
+                        }
                         last_ok = Instant::now();
                         backoff.reset();
                     }
@@ -651,6 +661,10 @@ async fn publisher(
                         }
                     }
                     info!("rank shut down cleanly");
+                } else {
+                    // The host dropped its agent without a shutdown: the lease runs out, and the
+                    // coordinator will read this rank as dead. Said, so a death nobody saw is explained.
+                    warn!("agent dropped by its host without a shutdown; the liveness lease is left to expire");
                 }
                 let _ = done.send(());
                 return;

@@ -62,6 +62,13 @@ SHUTDOWN_TIMEOUT_S = 2.0
 FATAL_FLUSH_TIMEOUT_S = 2.0
 # How long the launcher's watchdog thread may wait for etcd to take a dead scheduler's certificate.
 LAUNCHER_CERTIFY_TIMEOUT_S = 2.0
+# Rooms resolved elsewhere that a decode receiver created later still fails (bounded, and for
+# SGLang's own bootstrap timeout at most).
+RESOLVED_MEMORY = 65536
+RESOLVED_FOR_S = 300.0
+# How long the launcher's event loop gets to send the requests it ended (503) before SGLang's
+# SIGQUIT handler blocks it for the crash dumps.
+LAUNCHER_ABORT_FLUSH_S = 0.5
 # Rooms this process already published a local record for (bounded; an old room can be
 # published twice at worst, and etcd keeps the first).
 PUBLISHED_MEMORY = 65536
@@ -77,6 +84,7 @@ _stats: Dict[str, int] = {
     "fallbacks_rewritten": 0,
     "fallbacks_pending": 0,
     "fail_fast_rooms": 0,
+    "launcher_aborted": 0,
     "errors": 0,
 }
 _errors_logged: set = set()
@@ -346,12 +354,17 @@ class _Plugin:
                 logger.warning("rootrank: ROOTRANK_STALL_AFTER_MS=%r is not an integer; using 10000", stall)
         self.fail_fast = os.environ.get("ROOTRANK_FAIL_FAST", "1").strip() not in ("0", "false", "no", "off")
         self.fail_fast_thread: Optional[threading.Thread] = None
+        # Rooms whose verdict resolved in another group (the prefill): room -> (when, culprit).
+        self.resolved_elsewhere: Dict[int, Tuple[float, Dict[str, Any]]] = {}
+        self.resolved_lock = threading.Lock()
         self.fail_fast_stop = threading.Event()
         # Whether Scheduler.ingest_requests is hooked: then the budget's epoch is one
         # scheduler iteration (else one poll call, as before SGLang had that method).
         self.per_iteration = False
-        # Scheduler pids the launcher certified (see on_children_checked).
-        self.launcher_certified: set = set()
+        # Scheduler pid -> the (group, rank) pairs the launcher certified for it.
+        self.launcher_certified: Dict[int, List[Tuple[str, int]]] = {}
+        # SGLang's SIGQUIT handler is scheduled (after the requests in flight were ended).
+        self.sigquit_deferred = False
 
     # ---- registration
 
@@ -436,7 +449,14 @@ class _Plugin:
         endpoints = set(ev.get("endpoints") or ())
         if not endpoints:
             return
-        note = "(rootrank: {} rank {} is down: {})".format(ev.get("group"), ev.get("rank"), ev.get("reason") or "down")
+        reason = ev.get("reason") or "down"
+        if reason == "peer_lost":
+            # A victim (it died because a peer of its collective vanished): the instance is gone
+            # all the same, but this rank is not the one to blame, and the client must not read so.
+            note = "(rootrank: {} is down: its rank {} lost a peer of its collective; `rootrank why ROOM` names the rank " \
+                   "that failed)".format(ev.get("group"), ev.get("rank"))
+        else:
+            note = "(rootrank: {} rank {} is down: {})".format(ev.get("group"), ev.get("rank"), reason)
         for kv_mgr in self._decode_managers():
             tracker = getattr(kv_mgr, "addr_to_rooms_tracker", None)
             handle = getattr(kv_mgr, "_handle_node_failure", None)
@@ -452,30 +472,54 @@ class _Plugin:
 
     def on_room_resolved(self, verdict: Dict[str, Any]) -> None:
         """A room's verdict resolved with its culprit in another group (the prefill): if this
-        decode rank still waits on that room, it fails it now, naming the culprit."""
+        decode rank waits on that room, it fails it now, naming the culprit. The prefill may
+        fail a room before decode has even created its receiver for it (the failure is
+        published in milliseconds): the room is remembered, and the receiver's creation fails
+        it then (see :meth:`on_receiver`)."""
         culprit = verdict.get("culprit") or {}
         try:
             room = int(verdict.get("room"))
         except (TypeError, ValueError):
             return
         own = {r.group for r in self.ranks.values()}
-        if not culprit or culprit.get("group") in own:
+        if not culprit or "group" not in culprit or culprit.get("group") in own:
+            return
+        with self.resolved_lock:
+            self.resolved_elsewhere[room] = (time.monotonic(), culprit)
+            while len(self.resolved_elsewhere) > RESOLVED_MEMORY:
+                self.resolved_elsewhere.pop(next(iter(self.resolved_elsewhere)), None)
+        for kv_mgr in self._decode_managers():
+            self._fail_room(kv_mgr, room, culprit)
+
+    def on_receiver(self, kv_mgr: Any, room: Any) -> None:
+        """SGLang created a decode receiver for ``room`` (on the scheduler thread): if the
+        room's verdict already resolved elsewhere, the room fails now instead of waiting for
+        KV that will not come (a dict lookup; nothing else on this thread)."""
+        try:
+            room = int(room)
+        except (TypeError, ValueError):
+            return
+        seen = self.resolved_elsewhere.get(room)
+        if seen is None or time.monotonic() - seen[0] > RESOLVED_FOR_S:
+            return
+        self._fail_room(kv_mgr, room, seen[1])
+
+    def _fail_room(self, kv_mgr: Any, room: int, culprit: Dict[str, Any]) -> None:
+        status = getattr(kv_mgr, "request_status", {}).get(room)
+        if status is None or int(status) in (FAILED, SUCCESS):
             return
         text = "rootrank fail-fast: {} rank {} failed room {}: {} ({})".format(
             culprit.get("group"), culprit.get("rank"), room, culprit.get("reason"), culprit.get("source"))
-        for kv_mgr in self._decode_managers():
-            status = getattr(kv_mgr, "request_status", {}).get(room)
-            if status is None or int(status) in (FAILED, SUCCESS):
-                continue
-            _told.by = (room, {"group": culprit.get("group"), "rank": culprit.get("rank")})
-            try:
-                kv_mgr.record_failure(room, text)
-            finally:
-                _told.by = None
-            from sglang.srt.disaggregation.base.conn import KVPoll
+        _told.by = (room, {"group": culprit.get("group"), "rank": culprit.get("rank")})
+        try:
+            kv_mgr.record_failure(room, text)
+        finally:
+            _told.by = None
+        from sglang.srt.disaggregation.base.conn import KVPoll
 
-            kv_mgr.update_status(room, KVPoll.Failed)
-            _stats["fail_fast_rooms"] += 1
+        kv_mgr.update_status(room, KVPoll.Failed)
+        _stats["fail_fast_rooms"] += 1
+        logger.warning("rootrank: room %d failed now: %s", room, text)
 
     # ---- local Failed polls
 
@@ -636,25 +680,70 @@ class _Plugin:
         """SGLang's launcher is about to look for a dead scheduler (its subprocess watchdog, once
         a second); on the first one it finds it SIGQUITs itself and kills the rest, at once when
         crash dumps are off. Their leases would then expire in an order that says nothing of
-        who died first, so the launcher speaks first for a scheduler that is the only one dead
-        and was killed by a signal (it could not speak for itself: a scheduler that raised
-        certified itself on its way out). Two found dead at once: which died first is unknown,
-        and nothing is claimed."""
-        dead = [(p, n) for p, n in zip(processes, names)
-                if not p.is_alive() and p.exitcode is not None and p.exitcode < 0]
-        gone = [p for p in processes if not p.is_alive()]
-        if len(dead) != 1 or len(gone) != 1:
-            return
-        proc, name = dead[0]
+        who died first, so the launcher speaks first for a scheduler killed by a signal."""
+        self._certify_killed(processes, names, "its subprocess watchdog")
+
+    def _certify_killed(self, processes: List[Any], names: List[str], found_by: str) -> List[Tuple[str, int]]:
+        """Certifies the one scheduler killed by a signal (it could not speak for itself) when
+        every other one is alive or exited by itself (a scheduler that raised certified itself
+        on its way out, first, so the revision order stays the order of deaths). Two killed by
+        signals: which died first is unknown, and nothing is claimed. Returns the (group, rank)
+        pairs certified now or before."""
+        killed = [(p, n) for p, n in zip(processes, names)
+                  if not p.is_alive() and p.exitcode is not None and p.exitcode < 0]
+        if len(killed) != 1:
+            return []
+        proc, name = killed[0]
         if proc.pid in self.launcher_certified:
-            return
-        self.launcher_certified.add(proc.pid)
+            return self.launcher_certified[proc.pid]
         sig = -int(proc.exitcode)
-        detail = f"SGLang's launcher found {name} (pid {proc.pid}) killed by signal {sig} while its other schedulers lived"
+        detail = f"SGLang's launcher ({found_by}) found {name} (pid {proc.pid}) killed by signal {sig}"
         ranks = certify_exited(int(proc.pid), signal=sig, detail=detail, etcd_endpoints=self.endpoints,
                                timeout_s=LAUNCHER_CERTIFY_TIMEOUT_S)
+        self.launcher_certified[proc.pid] = [(str(g), int(r)) for g, r in ranks]
         logger.warning("rootrank: %s; certified %s", detail,
                        ", ".join(f"{g} rank {r}" for g, r in ranks) or "no rank (it had not registered)")
+        return self.launcher_certified[proc.pid]
+
+    def on_sigquit(self, tokenizer_manager: Any) -> int:
+        """SGLang's launcher got SIGQUIT ("one child failed"): its handler is about to block its
+        event loop for the crash dumps (5 s + 60 s by default) and then kill the server, so every
+        request in flight (a prefill's own HTTP request, which the router waits for too) hangs
+        until then and ends as a dropped connection. Instead each ends now, through SGLang's own
+        abort path, with HTTP 503 naming the scheduler that died. Returns how many requests were
+        ended (the caller gives the event loop a moment to send them before SGLang's handler)."""
+        watchdog = getattr(tokenizer_manager, "_subprocess_watchdog", None)
+        processes = list(getattr(watchdog, "_processes", None) or [])
+        names = list(getattr(watchdog, "_names", None) or [f"process_{i}" for i in range(len(processes))])
+        ranks = self._certify_killed(processes, names, "SIGQUIT") if processes else []
+        if not self.fail_fast:
+            return 0
+        if getattr(tokenizer_manager, "crash_dump_folder", None):
+            # SGLang's crash dump lists the unfinished requests: they stay unfinished for it.
+            logger.warning("rootrank: SGLang's crash dump folder is set; requests in flight are left to it")
+            return 0
+        from sglang.srt.managers.io_struct import AbortReq
+
+        if ranks:
+            who = ", ".join(f"{g} rank {r}" for g, r in ranks) + " was killed by a signal"
+        else:
+            who = "a process of this SGLang server failed"
+        ended = 0
+        for rid, state in list(getattr(tokenizer_manager, "rid_to_state", {}).items()):
+            if getattr(state, "finished", True):
+                continue
+            room = getattr(getattr(state, "obj", None), "bootstrap_room", None)
+            text = (f"rootrank: {who}; SGLang is shutting this server down"
+                    + (f" (`rootrank why {room}` says more)" if isinstance(room, int) else ""))
+            tokenizer_manager._handle_abort_req(AbortReq(
+                rid=rid, abort_message=text,
+                finished_reason={"type": "abort", "message": text, "status_code": 503}))
+            ended += 1
+        _stats["launcher_aborted"] += ended
+        if ended:
+            logger.warning("rootrank: %s; ended %d request(s) in flight with HTTP 503 now instead of when SGLang's "
+                           "shutdown drops them", who, ended)
+        return ended
 
     def on_clean_exit(self) -> None:
         if self.dead:
@@ -736,6 +825,18 @@ def _after_kv_manager_init(result: Any, kv_mgr: Any, *args: Any, **kwargs: Any) 
 
 def _is_nixl(kv_mgr: Any) -> bool:
     return any(c.__name__ == "NixlKVManager" and c.__module__.endswith("disaggregation.nixl.conn") for c in type(kv_mgr).__mro__)
+
+
+def _after_receiver_init(result: Any, receiver: Any, *args: Any, **kwargs: Any) -> None:
+    p = _plugin
+    if p is not None and p.fail_fast and p.resolved_elsewhere:
+        try:
+            kv_mgr = getattr(receiver, "kv_mgr", None)
+            if kv_mgr is not None and getattr(getattr(kv_mgr, "_rootrank_rank", None), "role", None) == "decode":
+                p.on_receiver(kv_mgr, getattr(receiver, "bootstrap_room", None))
+        except Exception:
+            _fault("receiver hook")
+    return None
 
 
 def _before_ingest(*args: Any, **kwargs: Any) -> None:
@@ -841,6 +942,30 @@ def _around_check_processes(original: Callable[..., Any], watchdog: Any, *args: 
     return original(watchdog, *args, **kwargs)
 
 
+def _around_sigquit(original: Callable[..., Any], handler: Any, *args: Any, **kwargs: Any) -> Any:
+    p = _plugin
+    if p is not None and p.sigquit_deferred:
+        return None  # a second SIGQUIT (the watchdog's) while SGLang's handler is already due
+    ended = 0
+    try:
+        if p is not None:
+            ended = p.on_sigquit(getattr(handler, "tokenizer_manager", None))
+    except Exception:
+        _fault("launcher SIGQUIT")
+    if ended and p is not None:
+        try:
+            import asyncio
+
+            # The handler runs as a callback of the event loop (loop.add_signal_handler): SGLang's
+            # own handler runs on it too, a moment later, after the responses went out.
+            asyncio.get_running_loop().call_later(LAUNCHER_ABORT_FLUSH_S, lambda: original(handler, *args, **kwargs))
+            p.sigquit_deferred = True
+            return None
+        except Exception:
+            _fault("launcher SIGQUIT deferral")
+    return original(handler, *args, **kwargs)
+
+
 def _called_from(names: Tuple[str, ...]) -> bool:
     frame = sys._getframe(1)
     while frame is not None:
@@ -921,6 +1046,17 @@ def _install(plugin: "_Plugin") -> None:
     if hasattr(CommonKVManager, "apply_prefill_status"):
         hook("sglang.srt.disaggregation.common.conn.CommonKVManager.apply_prefill_status",
              _around_apply_prefill_status, HookType.AROUND)
+    # A decode receiver created for a room whose verdict already resolved at its prefill.
+    for module, name in (("sglang.srt.disaggregation.common.conn", "CommonKVReceiver"),
+                         ("sglang.srt.disaggregation.nixl.conn", "NixlKVReceiver")):
+        try:
+            import importlib
+
+            if "__init__" in getattr(importlib.import_module(module), name).__dict__:
+                hook(f"{module}.{name}.__init__", _after_receiver_init, HookType.AFTER)
+                break
+        except Exception:
+            continue
     for cls in _fallback_classes():
         hook(f"{cls.__module__}.{cls.__qualname__}.failure_exception", _around_failure_exception, HookType.AROUND)
     hook("sglang.utils.get_exception_traceback", _after_exception_traceback, HookType.AFTER)
@@ -933,6 +1069,13 @@ def _install(plugin: "_Plugin") -> None:
     hook("sglang.srt.managers.scheduler.Scheduler.ingest_requests", _before_ingest, HookType.BEFORE)
     # In the launcher: its watchdog over the scheduler processes (named, as above).
     hook("sglang.srt.utils.watchdog.SubprocessWatchdog._check_processes", _around_check_processes, HookType.AROUND)
+    import multiprocessing
+
+    if multiprocessing.parent_process() is None:
+        # Only in the launcher (the main process; schedulers are its children): its SIGQUIT
+        # handler (importing the tokenizer manager in every scheduler would cost each one).
+        hook("sglang.srt.managers.tokenizer_manager.SignalHandler.running_phase_sigquit_handler",
+             _around_sigquit, HookType.AROUND)
     _plugin = plugin
     atexit.register(plugin.at_exit)
     try:
