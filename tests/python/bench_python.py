@@ -10,6 +10,11 @@ shared: ratios, not absolutes).
 3. The fallback's added latency with 1 and with 500 rooms failing in one iteration, through
    SGLang's real `CommonKVSender.failure_exception`, with the culprit known (records in
    etcd) and unknown (the coordinator says pending): the budget is shared by the iteration.
+4. v3 fail fast: prefill death -> decode receiver failed, p50/p99 over BENCH_KILLS (default 50)
+   SIGKILLs of a prefill rank while decode waits for the room's KV, through SGLang's own NIXL
+   managers (tests/python/sglang_pd.py, as test 13; lease TTL 1 s, no node-watch: the death is
+   known when the lease runs out). SGLang alone waits SGLANG_DISAGGREGATION_WAITING_TIMEOUT
+   (300 s by default) for the same room; it is quoted, not waited for 50 times.
 """
 
 from __future__ import annotations
@@ -215,6 +220,37 @@ def bench_fallback(etcd: Etcd, coordinator: Coordinator, results: dict) -> None:
     results["fallback"] = out
 
 
+def bench_fail_fast(etcd: Etcd, coordinator: Coordinator, results: dict, kills: int) -> None:
+    from test_sglang import run_pd, sglang_env, tiny_model
+
+    tmp = Path(tempfile.mkdtemp(prefix="rootrank-bench-ff-"))
+    model = tiny_model(tmp)
+    env = sglang_env(tmp, ROOTRANK_LEASE_TTL_MS="1000", ROOTRANK_ETCD_ENDPOINTS=etcd.url,
+                     ROOTRANK_COORDINATOR=coordinator.url)
+    seconds, skipped = [], 0
+    for i in range(kills):
+        run = tmp / f"kill{i}"
+        run.mkdir()
+        # The killed rank's instance lingers (as SGLang's launcher does for its crash dumps) long
+        # enough that decode's own heartbeat cannot be what ends the wait.
+        d, _, codes, _ = run_pd(run, model, env, 6_917_529_027_641_000_000 + i, "--failing", "1", "--kill-failing",
+                                "--linger", "12", "--wait-s", "20")
+        killed = json.loads((d / "prefill1-killed.json").read_text())["at"] if (d / "prefill1-killed.json").exists() else None
+        outs = [json.loads((d / f"decode{r}.json").read_text()) for r in (0, 1) if (d / f"decode{r}.json").exists()]
+        if killed is None or len(outs) != 2 or any(o.get("polls") != [0] for o in outs):
+            skipped += 1  # NIXL's loopback handshake failed before the room: not a fail-fast sample
+            continue
+        seconds += [o["concluded_at"] - killed for o in outs]
+        took = ", ".join(f"{o['concluded_at'] - killed:.2f}" for o in outs)
+        print(f"fail fast {i + 1}/{kills}: decode failed the room {took} s after the SIGKILL", flush=True)
+    xs = sorted(seconds)
+    results["fail_fast_prefill_death_to_decode_failed_s"] = {
+        "kills": kills, "samples": len(xs), "skipped_runs": skipped,
+        "p50": xs[len(xs) // 2] if xs else None, "p99": xs[min(len(xs) - 1, int(len(xs) * 0.99))] if xs else None,
+        "max": xs[-1] if xs else None, "lease_ttl_ms": 1000,
+        "sglang_alone_s": "SGLANG_DISAGGREGATION_WAITING_TIMEOUT (300 by default)"}
+
+
 def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="rootrank-bench-py-"))
     etcd = Etcd(tmp)
@@ -230,6 +266,9 @@ def main() -> None:
         bench_progress(etcd, coordinator, results)
         bench_poll_hook(results)
         bench_fallback(etcd, coordinator, results)
+        kills = int(os.environ.get("BENCH_KILLS", "50"))
+        if kills > 0:
+            bench_fail_fast(etcd, coordinator, results, kills)
         print(json.dumps(results, indent=2))
         out = Path("bench-results")
         out.mkdir(exist_ok=True)

@@ -226,7 +226,12 @@ def kill_prefill_rank1(stack: Stack, etcd, coordinator, label: str, settle_s: fl
     in_flight = [r for r in bad if r["done_at"] - r["seconds"] < killed_at]
     assert in_flight, f"{label}: no failed request was in flight at the kill"
     for r in in_flight:
-        assert "rootrank" in client_text(r), f"{label}: a request in flight at the kill ended without rootrank: {client_text(r)}"
+        text = client_text(r)
+        assert "rootrank" in text, f"{label}: a request in flight at the kill ended without rootrank: {text}"
+        # Rank 0 died first (in gloo, a victim): its death never reads as the cause.
+        assert f"{pg} rank 0 is down" not in text and f"{pg} rank 0 was killed" not in text, text
+    named = sum(f"{pg} rank 1" in client_text(r) for r in in_flight)
+    print(f"  {named} of {len(in_flight)} requests in flight at the kill got an error naming {pg} rank 1")
     for (g, room, rank), rec in sorted(recs.items()):
         print(f"  record {g} room {room} rank {rank}: {rec['origin']} {rec['reason']}: {rec.get('detail', '')[:120]}")
     assert any(g == dg for g, _ in rooms), f"{label}: no decode room record within {settle_s} s of the kill: {recs}"

@@ -65,6 +65,9 @@ LAUNCHER_CERTIFY_TIMEOUT_S = 2.0
 # Rooms resolved elsewhere that a decode receiver created later still fails (bounded, and for
 # SGLang's own bootstrap timeout at most).
 RESOLVED_MEMORY = 65536
+# How long decode's fail fast holds a prefill instance's rooms after a victim's death (it comes
+# first) for the death that caused it, so the text names that rank.
+VICTIM_GRACE_S = 1.0
 RESOLVED_FOR_S = 300.0
 # How long the launcher's event loop gets to send the requests it ended (503) before SGLang's
 # SIGQUIT handler blocks it for the crash dumps.
@@ -357,6 +360,9 @@ class _Plugin:
         # Rooms whose verdict resolved in another group (the prefill): room -> (when, culprit).
         self.resolved_elsewhere: Dict[int, Tuple[float, Dict[str, Any]]] = {}
         self.resolved_lock = threading.Lock()
+        # Prefill groups whose victim died first: group -> (endpoints, its down event).
+        self.victim_wait: Dict[Any, Tuple[set, Dict[str, Any]]] = {}
+        self.victim_lock = threading.Lock()
         self.fail_fast_stop = threading.Event()
         # Whether Scheduler.ingest_requests is hooked: then the budget's epoch is one
         # scheduler iteration (else one poll call, as before SGLang had that method).
@@ -445,18 +451,46 @@ class _Plugin:
     def on_peer_down(self, ev: Dict[str, Any]) -> None:
         """A rank of a prefill instance is down: the instance is gone (SGLang ends every
         rank of an instance when one dies), so its rooms fail now, through SGLang's own
-        node-failure path, as its heartbeat would after missing ``max_failures`` beats."""
+        node-failure path, as its heartbeat would after missing ``max_failures`` beats.
+
+        A victim's death (``peer_lost``: it died because a peer of its collective vanished)
+        comes first, milliseconds before the death that caused it is known: its instance's
+        rooms wait up to ``VICTIM_GRACE_S`` for that death, so the text names the rank that
+        failed; if none comes, they fail naming no one."""
         endpoints = set(ev.get("endpoints") or ())
         if not endpoints:
             return
-        reason = ev.get("reason") or "down"
-        if reason == "peer_lost":
-            # A victim (it died because a peer of its collective vanished): the instance is gone
-            # all the same, but this rank is not the one to blame, and the client must not read so.
-            note = "(rootrank: {} is down: its rank {} lost a peer of its collective; `rootrank why ROOM` names the rank " \
-                   "that failed)".format(ev.get("group"), ev.get("rank"))
-        else:
-            note = "(rootrank: {} rank {} is down: {})".format(ev.get("group"), ev.get("rank"), reason)
+        group = ev.get("group")
+        if (ev.get("reason") or "down") == "peer_lost":
+            with self.victim_lock:
+                held = self.victim_wait.get(group)
+                if held is not None:
+                    held[0].update(endpoints)
+                    return
+                self.victim_wait[group] = (endpoints, ev)
+            timer = threading.Timer(VICTIM_GRACE_S, self._victim_grace_over, args=(group,))
+            timer.daemon = True
+            timer.start()
+            return
+        with self.victim_lock:
+            held = self.victim_wait.pop(group, None)
+        if held is not None:
+            endpoints |= held[0]
+        self._fail_instance(endpoints, "(rootrank: {} rank {} is down: {})".format(group, ev.get("rank"), ev.get("reason")))
+
+    def _victim_grace_over(self, group: Any) -> None:
+        with self.victim_lock:
+            held = self.victim_wait.pop(group, None)
+        if held is None:
+            return  # the culprit's death came first and failed the rooms naming it
+        endpoints, ev = held
+        try:
+            self._fail_instance(endpoints, "(rootrank: {} is down: its rank {} lost a peer of its collective; `rootrank why "
+                                           "ROOM` names the rank that failed)".format(group, ev.get("rank")))
+        except Exception:
+            _fault("fail-fast victim grace")
+
+    def _fail_instance(self, endpoints: set, note: str) -> None:
         for kv_mgr in self._decode_managers():
             tracker = getattr(kv_mgr, "addr_to_rooms_tracker", None)
             handle = getattr(kv_mgr, "_handle_node_failure", None)
