@@ -233,7 +233,7 @@ def bench_fail_fast(etcd: Etcd, coordinator: Coordinator, results: dict, kills: 
         run.mkdir()
         # The killed rank's instance lingers (as SGLang's launcher does for its crash dumps) long
         # enough that decode's own heartbeat cannot be what ends the wait.
-        d, _, codes, _ = run_pd(run, model, env, 6_917_529_027_641_000_000 + i, "--failing", "1", "--kill-failing",
+        d, _, _, _ = run_pd(run, model, env, 6_917_529_027_641_000_000 + i, "--failing", "1", "--kill-failing",
                                 "--linger", "12", "--wait-s", "20")
         killed = json.loads((d / "prefill1-killed.json").read_text())["at"] if (d / "prefill1-killed.json").exists() else None
         outs = [json.loads((d / f"decode{r}.json").read_text()) for r in (0, 1) if (d / f"decode{r}.json").exists()]

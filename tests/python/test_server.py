@@ -41,9 +41,10 @@ LEASE_TTL_MS = "5000"
 def etcd(tmp):
     """This tier's etcd: data on tmpfs and a step ahead of the SGLang processes for the CPU.
     etcd syncs its log to disk on every write, and in one run all three ranks' leases expired
-    in one instant while the deployment idled (an etcd that stalled past the leases, with the
-    machine's disk and both cores busy with three SGLang servers); a deployment's etcd has its
-    own disk and cores. Its log is kept next to the test's other logs."""
+    in one instant while the deployment idled, with the machine's disk and both cores busy with
+    three SGLang servers (an etcd that stalled past the leases was one suspect; the cause was not
+    proven). A deployment's etcd has its own disk and cores. Its log is kept next to the test's
+    other logs."""
     shm = Path(tempfile.mkdtemp(prefix="rootrank-etcd-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
     e = Etcd(shm)
     try:

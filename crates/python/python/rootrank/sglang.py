@@ -65,10 +65,10 @@ LAUNCHER_CERTIFY_TIMEOUT_S = 2.0
 # Rooms resolved elsewhere that a decode receiver created later still fails (bounded, and for
 # SGLang's own bootstrap timeout at most).
 RESOLVED_MEMORY = 65536
+RESOLVED_FOR_S = 300.0
 # How long decode's fail fast holds a prefill instance's rooms after a victim's death (it comes
 # first) for the death that caused it, so the text names that rank.
 VICTIM_GRACE_S = 1.0
-RESOLVED_FOR_S = 300.0
 # How long the launcher's event loop gets to send the requests it ended (503) before SGLang's
 # SIGQUIT handler blocks it for the crash dumps.
 LAUNCHER_ABORT_FLUSH_S = 0.5
@@ -358,8 +358,8 @@ class _Plugin:
         self.fail_fast = os.environ.get("ROOTRANK_FAIL_FAST", "1").strip() not in ("0", "false", "no", "off")
         self.fail_fast_thread: Optional[threading.Thread] = None
         # Rooms whose verdict resolved in another group (the prefill): room -> (when, culprit).
+        # Written by the fail-fast thread alone; the scheduler thread only reads it (dict.get).
         self.resolved_elsewhere: Dict[int, Tuple[float, Dict[str, Any]]] = {}
-        self.resolved_lock = threading.Lock()
         # Prefill groups whose victim died first: group -> (endpoints, its down event).
         self.victim_wait: Dict[Any, Tuple[set, Dict[str, Any]]] = {}
         self.victim_lock = threading.Lock()
@@ -518,10 +518,9 @@ class _Plugin:
         own = {r.group for r in self.ranks.values()}
         if not culprit or "group" not in culprit or culprit.get("group") in own:
             return
-        with self.resolved_lock:
-            self.resolved_elsewhere[room] = (time.monotonic(), culprit)
-            while len(self.resolved_elsewhere) > RESOLVED_MEMORY:
-                self.resolved_elsewhere.pop(next(iter(self.resolved_elsewhere)), None)
+        self.resolved_elsewhere[room] = (time.monotonic(), culprit)
+        while len(self.resolved_elsewhere) > RESOLVED_MEMORY:
+            self.resolved_elsewhere.pop(next(iter(self.resolved_elsewhere)), None)
         for kv_mgr in self._decode_managers():
             self._fail_room(kv_mgr, room, culprit)
 
@@ -986,7 +985,7 @@ def _around_sigquit(original: Callable[..., Any], handler: Any, *args: Any, **kw
             ended = p.on_sigquit(getattr(handler, "tokenizer_manager", None))
     except Exception:
         _fault("launcher SIGQUIT")
-    if ended and p is not None:
+    if ended:
         try:
             import asyncio
 
@@ -1081,11 +1080,11 @@ def _install(plugin: "_Plugin") -> None:
         hook("sglang.srt.disaggregation.common.conn.CommonKVManager.apply_prefill_status",
              _around_apply_prefill_status, HookType.AROUND)
     # A decode receiver created for a room whose verdict already resolved at its prefill.
+    import importlib
+
     for module, name in (("sglang.srt.disaggregation.common.conn", "CommonKVReceiver"),
                          ("sglang.srt.disaggregation.nixl.conn", "NixlKVReceiver")):
         try:
-            import importlib
-
             if "__init__" in getattr(importlib.import_module(module), name).__dict__:
                 hook(f"{module}.{name}.__init__", _after_receiver_init, HookType.AFTER)
                 break
