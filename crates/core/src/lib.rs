@@ -32,4 +32,6 @@ pub use verdict::{
     Action, CompactCause, CompactCulprit, CompactVerdict, Culprit, CulpritSource, Evidence, EvidenceKind, PeerRef,
     Status, Verdict, VerdictQuery, Victim,
 };
-pub use views::{GroupSummary, GroupView, RankStateKind, RankView, StallRole, StallView, UnhealthyRank};
+pub use views::{
+    CatchUp, CatchUpEvent, GroupSummary, GroupView, RankStateKind, RankView, StallRole, StallView, UnhealthyRank,
+};

@@ -70,6 +70,51 @@ pub struct RankView {
     pub reason: Option<crate::Reason>,
 }
 
+/// One event of [`Index::catch_up`].
+#[derive(Clone, Debug, PartialEq)]
+pub enum CatchUpEvent {
+    Rank {
+        group: GroupId,
+        rank: Rank,
+        state: RankStateKind,
+        reason: Option<crate::Reason>,
+        /// `None` for a missing rank.
+        incarnation: Option<Incarnation>,
+        revision: i64,
+    },
+    Resolved {
+        room: crate::RoomId,
+        revision: i64,
+    },
+}
+
+impl CatchUpEvent {
+    pub fn revision(&self) -> i64 {
+        match self {
+            CatchUpEvent::Rank { revision, .. } | CatchUpEvent::Resolved { revision, .. } => *revision,
+        }
+    }
+
+    /// Revision order; at one revision a rank's change before the rooms it resolved, then by
+    /// key, so every replica at one revision replays the same sequence.
+    fn order_key(&self) -> (i64, u8, Option<&GroupId>, u64) {
+        match self {
+            CatchUpEvent::Rank {
+                group, rank, revision, ..
+            } => (*revision, 0, Some(group), u64::from(*rank)),
+            CatchUpEvent::Resolved { room, revision } => (*revision, 1, None, room.get()),
+        }
+    }
+}
+
+/// What [`Index::catch_up`] returns: the events, and the revision after which they are
+/// complete (0 when nothing was dropped).
+#[derive(Clone, Debug, PartialEq)]
+pub struct CatchUp {
+    pub events: Vec<CatchUpEvent>,
+    pub floor: i64,
+}
+
 #[derive(Clone, Debug, Serialize)]
 pub struct GroupView {
     pub group: GroupId,
@@ -351,6 +396,57 @@ impl Index {
         list.sort_by(|a, b| b.revision.cmp(&a.revision).then(a.room.cmp(&b.room)));
         list.truncate(limit);
         list
+    }
+
+    /// v3 `GET /v1/events` for a reader that resumes from before this index was loaded (a
+    /// restarted or reloaded replica has no history, only state): every rank's state as
+    /// `GET /v1/groups/{g}` shows it, and every resolved room this index holds, as events in
+    /// revision order, at most `max` of them. A down, shutdown or stalled rank is stamped with
+    /// the revision that last changed it (a certificate refines a death's reason), a resolved
+    /// room with the revision at which it had both its first record and its culprit (where a
+    /// watching replica resolved it), so a reader gets only what it has not seen. A live or
+    /// missing rank, whose last change etcd no longer shows (a stall that ended, a key
+    /// deleted unseen), and a room resolved on a victim, with the index's revision: sent
+    /// again, harmless (resolved is final). What does not fit in `max` is dropped from the oldest end, and
+    /// `floor` says from which revision on the rest is complete.
+    pub fn catch_up(&self, max: usize) -> CatchUp {
+        let at = self.revision;
+        let mut events = Vec::new();
+        for g in self.groups.keys() {
+            let Some(view) = self.group(g) else { continue };
+            for r in view.ranks {
+                let revision = match r.state {
+                    RankStateKind::Live | RankStateKind::Missing => at,
+                    RankStateKind::Stalled => r.stall.as_ref().map_or(at, |s| s.revision),
+                    RankStateKind::Down | RankStateKind::Shutdown => r
+                        .incarnation
+                        .and_then(|inc| self.deaths.get(&(g.clone(), r.rank, inc)))
+                        .map_or(at, |d| d.changed_revision),
+                };
+                events.push(CatchUpEvent::Rank {
+                    group: g.clone(),
+                    rank: r.rank,
+                    state: r.state,
+                    reason: r.reason,
+                    incarnation: r.incarnation,
+                    revision,
+                });
+            }
+        }
+        events.extend(self.rooms.iter().filter_map(|(room, e)| {
+            let revision = e.root_cause_revision.filter(|_| e.resolved)?;
+            // A room resolved on a victim resolved at some event after its window: when, etcd
+            // state does not say, so it is sent again at the index's revision.
+            let revision = if e.resolved_by_victim { at } else { revision };
+            Some(CatchUpEvent::Resolved { room: *room, revision })
+        }));
+        events.sort_by(|a, b| a.order_key().cmp(&b.order_key()));
+        let mut floor = 0;
+        if events.len() > max {
+            let dropped: Vec<CatchUpEvent> = events.drain(..events.len() - max).collect();
+            floor = dropped.iter().map(CatchUpEvent::revision).max().unwrap_or(0);
+        }
+        CatchUp { events, floor }
     }
 
     /// The endpoints (`RankLive.endpoints`) an incarnation of a rank published, for events
