@@ -13,6 +13,7 @@
 #   $(BENCH_BIN) burst --bursts 3
 #   $(BENCH_BIN) keepalive --variants 5:2000
 #   $(BENCH_BIN) node-memory --records 100000
+#   $(BENCH_BIN) events --readers 200 --rate 1000
 #
 # Needs etcd and wrk on PATH (Debian: etcd-server, wrk). The suite starts its own etcd and
 # coordinators on loopback; coordinators and ranks are the rootrank-bench binary itself

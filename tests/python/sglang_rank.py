@@ -18,6 +18,8 @@ Scenarios (``--culprit`` names the failing rank):
   ``SGLANG_TEST_DISAGG_FAILURE_PROB=1`` set on that rank only).
 - ``fatal``: the culprit dies in SGLang's real ``run_scheduler_process`` with an exception
   (its parent, like SGLang's launcher, receives the SIGQUIT).
+- ``abort``: a client abort, on every rank, through SGLang's own ``NixlKVSender.abort()``
+  (what the scheduler calls for an ``AbortReq``): no failure, so nothing to publish.
 - ``none``: nobody fails on purpose; every rank records itself (for the plugin-off checks).
 """
 
@@ -85,7 +87,9 @@ def main() -> None:
     dist.barrier(group=gloo_group)
 
     culprit = args.rank == args.culprit
-    if culprit and args.scenario == "record":
+    if args.scenario == "abort":
+        sender.abort()
+    elif culprit and args.scenario == "record":
         kv_mgr.record_failure(args.room, f"NIXL transfer encountered ERR room={args.room}")
         kv_mgr.update_status(args.room, KVPoll.Failed)
     elif culprit and args.scenario == "conclude":

@@ -135,12 +135,14 @@ def culprit_group(outs) -> str:
 
 def assert_survivor_names(out: dict, room: int, text: str, log: str, group: str):
     """The survivor raised SGLang's own exception (type, room, is_from_another_rank) naming the
-    culprit; or, at the default budget (100 ms) when the culprit's record was still on its way,
+    culprit, and said so in one WARNING line of its log; or, at the default budget (100 ms) when the culprit's record was still on its way,
     SGLang's text with rootrank's pointer, and the culprit in its log once it resolved."""
     raised = out["raised"]
     assert raised["type"] == "KVTransferError" and raised["module"] == "sglang.srt.disaggregation.common.conn"
     assert raised["room"] == room and raised["is_from_another_rank"] is True
     if text in raised["str"]:
+        # SGLang logs the survivor's error at DEBUG: one WARNING line names the culprit.
+        assert f"rootrank: KVTransferError(bootstrap_room={room}) was '{FALLBACK}': {text}" in log, log[-3000:]
         return
     assert raised["str"] == f"KVTransferError(bootstrap_room={room}): {FALLBACK} (rootrank: pending, see rootrank why {room} --group {group})", raised
     assert f"rootrank: KVTransferError(bootstrap_room={room}) was '{FALLBACK}': {text}" in log, log[-3000:]
@@ -191,6 +193,28 @@ def test_3_failed_poll_without_reason_is_named(tmp, coordinator, plugin_env):
     assert coordinator.verdict(room, group)["culprit"]["rank"] == 1
 
 
+def test_16_a_client_abort_is_no_failure_and_writes_nothing(tmp, coordinator, plugin_env):
+    """A client abort on every rank through SGLang's own NixlKVSender.abort() (what the
+    scheduler does for an AbortReq): each rank raises SGLang's own "Aborted by AbortReq.", as
+    without rootrank, and rootrank writes no record (no etcd write per rank per abort) and
+    names no one."""
+    room, codes, outs, logs = run_group(tmp, "abort", plugin_env)
+    assert codes == [0, 0], logs
+    group = culprit_group(outs)
+    for rank in (0, 1):
+        raised = outs[rank]["raised"]
+        assert raised["str"] == f"KVTransferError(bootstrap_room={room}): Aborted by AbortReq.", raised
+        assert raised["is_from_another_rank"] is False, raised
+        stats = outs[rank]["plugin_stats"]
+        assert stats["aborts_ignored"] == 1, stats
+        assert stats["local_published"] == stats["propagated_published"] == stats["peer_reported_published"] == 0, stats
+    # No record of the room anywhere: no culprit (a room nobody failed stays pending only for
+    # the death window of a query about it, then turns unknown).
+    v = coordinator.verdict(room, group)
+    assert v["culprit"] is None and v["status"] != "resolved", v
+    assert [e for e in v["evidence"] if e["kind"] == "room_record"] == [], v
+
+
 def test_5_fatal_scheduler_exception_carries_its_traceback(tmp, coordinator, plugin_env):
     room, codes, outs, logs = run_group(tmp, "fatal", plugin_env)
     assert (tmp / "launcher1.signal").read_text() == "SIGQUIT", "SGLang's run_scheduler_process did not SIGQUIT its parent"
@@ -219,7 +243,7 @@ def test_6_sglang_unchanged_without_rootrank(tmp, setup):
         assert raised["str"] == f"KVTransferError(bootstrap_room={room}): {FALLBACK}"
         print("BEFORE:", raised["str"])
         assert "plugin active" not in logs[0] and outs[0]["plugin_stats"] == {
-            "local_published": 0, "propagated_published": 0, "peer_reported_published": 0, "fallbacks_rewritten": 0, "fallbacks_pending": 0, "fail_fast_rooms": 0, "launcher_aborted": 0, "errors": 0}
+            "local_published": 0, "propagated_published": 0, "peer_reported_published": 0, "fallbacks_rewritten": 0, "fallbacks_pending": 0, "fail_fast_rooms": 0, "launcher_aborted": 0, "aborts_ignored": 0, "errors": 0}
     else:
         # SGLang's text with the pointer to rootrank, within the budget.
         assert raised["str"].startswith(f"KVTransferError(bootstrap_room={room}): {FALLBACK} (rootrank: pending")

@@ -219,7 +219,7 @@ pub(crate) fn published(agents: &[Agent]) -> u64 {
 }
 
 /// Offers `rate` records/s for `duration`; returns (enqueued, dropped).
-fn drive(agents: &[Agent], groups: usize, rate: u64, duration: Duration, salt: u64) -> (u64, u64) {
+pub(crate) fn drive(agents: &[Agent], groups: usize, rate: u64, duration: Duration, salt: u64) -> (u64, u64) {
     let start = Instant::now();
     let mut sent = 0u64;
     let mut dropped = 0u64;

@@ -14,6 +14,8 @@
 //! 8. [`node_memory`]: `rootrank node-watch`'s memory with a million records vs none.
 //! 9. [`startup`]: spawn to `/readyz` with a million records, by snapshot reader count, next
 //!    to the serial load before.
+//! 10. [`events`]: `GET /v1/events` with 1,000 readers at 5,000 records/s: delivery lag at
+//!    each reader, the coordinator's CPU and memory with and without them.
 //!
 //! Every figure goes into one JSON file with the machine's facts and the git revision; a
 //! Markdown table and an SVG of the latency distributions are made from it ([`report`]).
@@ -22,6 +24,7 @@ pub mod agent_cost;
 pub mod alloc;
 pub mod burst;
 pub mod detection;
+pub mod events;
 pub mod ingest;
 pub mod keepalive;
 pub mod load;
@@ -52,6 +55,7 @@ pub struct Suite {
     pub keepalive: Option<keepalive::KeepaliveCfg>,
     pub node_memory: Option<node_memory::NodeMemoryCfg>,
     pub startup: Option<startup::StartupCfg>,
+    pub events: Option<events::EventsCfg>,
 }
 
 impl Suite {
@@ -66,6 +70,7 @@ impl Suite {
             keepalive: Some(keepalive::KeepaliveCfg::full()),
             node_memory: Some(node_memory::NodeMemoryCfg::full()),
             startup: Some(startup::StartupCfg::full()),
+            events: Some(events::EventsCfg::full()),
         }
     }
     /// Tiny sizes, seconds long: for `cargo test` and `make bench-smoke`.
@@ -80,6 +85,7 @@ impl Suite {
             keepalive: Some(keepalive::KeepaliveCfg::smoke()),
             node_memory: Some(node_memory::NodeMemoryCfg::smoke()),
             startup: Some(startup::StartupCfg::smoke()),
+            events: Some(events::EventsCfg::smoke()),
         }
     }
 }
@@ -119,6 +125,7 @@ pub async fn run(env: &Env, suite: &Suite, mode: &str) -> Value {
     part!("keepalive", suite.keepalive, keepalive::run);
     part!("node_memory", suite.node_memory, node_memory::run);
     part!("startup", suite.startup, startup::run);
+    part!("events", suite.events, events::run);
     let mut results = json!({
         "schema": "rootrank-bench/1",
         "mode": mode,

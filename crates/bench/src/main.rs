@@ -7,8 +7,8 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use rootrank_bench::{
-    agent_cost, burst, detection, ingest, keepalive, node_memory, scale, startup, util::parse_duration, verdicts, Env,
-    Suite,
+    agent_cost, burst, detection, events, ingest, keepalive, node_memory, scale, startup, util::parse_duration,
+    verdicts, Env, Suite,
 };
 
 // Counts allocations only while the core-index measurement turns it on (see alloc.rs).
@@ -106,6 +106,21 @@ enum Cmd {
         keepalive_window: String,
         #[arg(long, default_value = "10s")]
         duration: String,
+        #[command(flatten)]
+        out: Out,
+    },
+    /// 10. Events: GET /v1/events followed by many readers under a sustained record rate.
+    Events {
+        #[arg(long, default_value_t = 1_000)]
+        readers: usize,
+        #[arg(long, default_value_t = 5_000)]
+        rate: u64,
+        #[arg(long, default_value_t = 32)]
+        agents: usize,
+        #[arg(long, default_value = "8s")]
+        duration: String,
+        #[arg(long, default_value_t = 20.0)]
+        probe_rate: f64,
         #[command(flatten)]
         out: Out,
     },
@@ -397,6 +412,27 @@ fn real_main() -> anyhow::Result<ExitCode> {
             },
             "startup",
             out.out.unwrap_or_else(|| PathBuf::from("bench-results/startup")),
+        ),
+        Cmd::Events {
+            readers,
+            rate,
+            agents,
+            duration,
+            probe_rate,
+            out,
+        } => (
+            Suite {
+                events: Some(events::EventsCfg {
+                    readers,
+                    rate,
+                    agents,
+                    duration: parse_duration(&duration)?,
+                    probe_rate,
+                }),
+                ..Suite::default()
+            },
+            "events",
+            out.out.unwrap_or_else(|| PathBuf::from("bench-results/events")),
         ),
         Cmd::Agent {
             calls,

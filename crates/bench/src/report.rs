@@ -583,6 +583,26 @@ pub fn markdown(results: &Value) -> String {
             num(&n["populated"]["start_to_loaded_s"], 2), num(&n["rss_ratio"], 2)
         );
     }
+    let e = &s["events"];
+    if e.is_object() {
+        let w = &e["with_readers"];
+        let q = &e["quiet"];
+        let _ = writeln!(
+            m,
+            "\n## 10. Events (`GET /v1/events`: {} readers, {} records/s offered)\n\n| | achieved records/s | delivery lag p50 ms | p99 ms | max ms | coordinator cores | etcd cores | bench + readers cores | readers cut off | probe deliveries missing |\n|---|---|---|---|---|---|---|---|---|---|\n| no reader | {} | | | | {} | {} | {} | | |\n| {} readers | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n\nCoordinator RSS: {} MiB before the readers, {} MiB with them connected, {} MiB after the stage.",
+            e["setup"]["readers"], e["setup"]["offered_records_per_s"],
+            num(&q["achieved_records_per_s"], 0), num(&q["cpu"]["coordinator_cores"], 2), num(&q["cpu"]["etcd_cores"], 2),
+            num(&q["cpu"]["bench_and_readers_cores"], 2),
+            e["setup"]["readers"], num(&w["achieved_records_per_s"], 0),
+            num(&json!(f(&w["delivery_lag"]["p50_us"]) / 1e3), 2), num(&json!(f(&w["delivery_lag"]["p99_us"]) / 1e3), 2),
+            num(&json!(f(&w["delivery_lag"]["max_us"]) / 1e3), 2),
+            num(&w["cpu"]["coordinator_cores"], 2), num(&w["cpu"]["etcd_cores"], 2), num(&w["cpu"]["bench_and_readers_cores"], 2),
+            w["readers_cut_off"], w["probe_deliveries_missing"],
+            num(&json!(f(&e["coordinator_rss_bytes"]["before_readers"]) / 1048576.0), 1),
+            num(&json!(f(&e["coordinator_rss_bytes"]["readers_connected"]) / 1048576.0), 1),
+            num(&json!(f(&e["coordinator_rss_bytes"]["after_stage"]) / 1048576.0), 1),
+        );
+    }
     let _ = writeln!(
         m,
         "\nLatency distributions: `latency.svg`. All figures: `results.json`."

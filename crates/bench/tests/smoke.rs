@@ -44,7 +44,7 @@ fn smoke_suite_produces_well_formed_results() {
     assert!(r["machine"]["kernel"].as_str().is_some_and(|k| !k.is_empty()));
     assert!(r["git"]["revision"].as_str().is_some());
     let s = &r["sections"];
-    for part in ["verdicts", "ingest", "detection", "scale", "agent"] {
+    for part in ["verdicts", "ingest", "detection", "scale", "agent", "events"] {
         assert!(s[part].is_object(), "section {part} missing");
         assert!(
             s[part].get("error").is_none(),
@@ -87,6 +87,13 @@ fn smoke_suite_produces_well_formed_results() {
     positive(&s["agent"], "queue_with_room.mean_ns");
     positive(&s["agent"], "queue_full_dropping.mean_ns");
     assert!(s["agent"]["nixl_write_64k"]["available"].is_boolean());
+
+    let ev = &s["events"]["with_readers"];
+    positive(ev, "probes");
+    positive(ev, "delivery_lag.count");
+    positive(ev, "cpu.coordinator_s");
+    assert_eq!(ev["readers_cut_off"], 0, "{ev}");
+    assert_eq!(ev["probe_deliveries_missing"], 0, "{ev}");
 
     let goals = r["goals"].as_array().expect("goals");
     assert!(goals.len() >= 7);

@@ -436,7 +436,7 @@ async fn events(
             ))
         }
     };
-    Ok(crate::events::stream(shared.clone(), cursor, from, group).into_response())
+    Ok(crate::events::stream(shared.clone(), cursor, from, group))
 }
 
 /// `GET /v1/health?group=G[&group=G2...]` (SPEC v3): 200 when every rank of the named groups

@@ -88,6 +88,7 @@ _stats: Dict[str, int] = {
     "fallbacks_pending": 0,
     "fail_fast_rooms": 0,
     "launcher_aborted": 0,
+    "aborts_ignored": 0,
     "errors": 0,
 }
 _errors_logged: set = set()
@@ -237,6 +238,12 @@ class _Rank:
         if room in self.published:
             return
         reason, peer = classify(str(text))
+        if reason == "aborted":
+            # A client abort (AbortReq, decode's abort notification, a duplicate room) is no
+            # failure: never a culprit, and no etcd write per rank per abort.
+            _stats["aborts_ignored"] += 1
+            self.published[room] = None
+            return
         told = getattr(_told, "by", None)
         if told is not None and told[0] == room:
             # The prefill's status message said it failed the room (apply_prefill_status).
@@ -637,6 +644,9 @@ class _Plugin:
             self.follow_later(int(room), r.group, r.rank, original)
         else:
             _stats["fallbacks_rewritten"] += 1
+            # SGLang logs a "from another rank" error at DEBUG: the culprit reaches the client
+            # through the exception, and the operator through this line.
+            logger.warning("rootrank: KVTransferError(bootstrap_room=%d) was %r: %s", int(room), original, text)
         _set_reason(exc, text)
 
     def follow_later(self, room: int, group: str, rank: int, original: str) -> None:
