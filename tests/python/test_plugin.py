@@ -147,3 +147,60 @@ def test_type_stubs_are_seen_by_mypy(tmp_path):
     assert good.returncode == 0, good.stdout
     bad = run("bad.py")
     assert bad.returncode == 1 and 'incompatible type "str"; expected "int"' in bad.stdout, bad.stdout
+
+
+def test_a_slow_resolver_costs_a_caller_its_timeout_and_no_more(monkeypatch):
+    """getaddrinfo takes no timeout: a scheduler thread asking a coordinator by name waits for
+    DNS at most its own timeout (its verdict budget), never for the resolver; once the name is
+    resolved (on a helper thread) every call uses the answer."""
+    import http.server
+    import ipaddress
+    import json
+    import socket
+    import threading
+
+    from rootrank import coordinator as c
+    from rootrank.errors import CoordinatorUnavailable
+
+    class Answer(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps({"room": "1", "status": "unknown"}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    release, asked = threading.Event(), []
+    real = socket.getaddrinfo
+
+    def slow_dns(host, port, *args, **kwargs):
+        try:
+            ipaddress.ip_address(host)
+            return real(host, port, *args, **kwargs)  # a literal needs no resolver
+        except ValueError:
+            asked.append(host)
+            release.wait(60)  # a resolver that does not answer
+            return real("127.0.0.1", port, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", slow_dns)
+    monkeypatch.setattr(c, "_resolver", c._Resolver())
+    try:
+        client = c.Coordinator(f"http://coordinator.rootrank.test:{server.server_address[1]}")
+        with pytest.raises(CoordinatorUnavailable, match="resolving coordinator.rootrank.test"):
+            client.verdict(1, timeout_s=0.2)
+        with pytest.raises(CoordinatorUnavailable, match="resolving"):
+            client.verdict(1, timeout_s=0.2)  # the same lookup, still running: not a second one
+        assert asked == ["coordinator.rootrank.test"], asked
+        release.set()
+        assert client.verdict(1, timeout_s=10)["status"] == "unknown"
+        assert client.verdict(1, timeout_s=10)["status"] == "unknown"
+        assert asked == ["coordinator.rootrank.test"], asked
+    finally:
+        release.set()
+        server.shutdown()

@@ -8,12 +8,14 @@ is skipped for the next one, and the last replica that answered is tried first n
 from __future__ import annotations
 
 import http.client
+import ipaddress
 import json
 import os
+import socket
 import threading
 import time
 import urllib.parse
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 from rootrank.errors import CoordinatorError, CoordinatorUnavailable, InvalidInput, NotFound
 
@@ -45,6 +47,66 @@ def _parse_urls(urls: Union[str, Sequence[str], None]) -> List[str]:
     return out
 
 
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return False
+
+
+class _Resolution:
+    def __init__(self, previous: Optional[str]):
+        self.address = previous  # the last answer, served while a refresh runs
+        self.error: Optional[str] = None
+        self.done = threading.Event()
+        self.at = time.monotonic()
+
+
+class _Resolver:
+    """Hostnames resolved on a helper thread. ``getaddrinfo`` takes no timeout, so a caller
+    that resolved inline could wait on a slow resolver for as long as it takes; here it waits
+    at most its own timeout (a scheduler thread: its verdict budget), and a known answer is
+    served at once while it is refreshed every ``REFRESH_S``."""
+
+    REFRESH_S = 30.0
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._known: Dict[Tuple[str, int], _Resolution] = {}
+
+    def address(self, host: str, port: int, timeout_s: float) -> str:
+        if _is_ip(host):
+            return host
+        key = (host, port)
+        with self._lock:
+            r = self._known.get(key)
+            if r is None or (r.done.is_set() and (r.address is None or time.monotonic() - r.at > self.REFRESH_S)):
+                r = _Resolution(r.address if r is not None else None)
+                self._known[key] = r
+                threading.Thread(target=self._resolve, args=(key, r), name="rootrank-resolve", daemon=True).start()
+        if r.address is not None:
+            return r.address
+        r.done.wait(max(0.0, timeout_s))
+        if r.address is not None:
+            return r.address
+        raise OSError(r.error or f"resolving {host} took over {timeout_s:.3f} s (still resolving in the background)")
+
+    @staticmethod
+    def _resolve(key: Tuple[str, int], r: _Resolution) -> None:
+        try:
+            infos = socket.getaddrinfo(key[0], key[1], type=socket.SOCK_STREAM)
+            r.address = str(infos[0][4][0])
+            r.error = None
+        except (OSError, IndexError) as e:
+            r.error = f"cannot resolve {key[0]}: {e}"
+        r.at = time.monotonic()
+        r.done.set()
+
+
+_resolver = _Resolver()
+
+
 class _Replica:
     def __init__(self, url: str):
         self.url = url
@@ -55,20 +117,26 @@ class _Replica:
         self.conn: Optional[http.client.HTTPConnection] = None
 
     def request(self, path: str, timeout_s: float) -> tuple:
+        deadline = time.monotonic() + timeout_s
         reused = self.conn is not None
         try:
             return self._request_once(path, timeout_s)
         except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
             # A kept-alive connection the server closed while it sat idle (the coordinator
             # ends idle connections after --header-timeout-ms): GET is idempotent, so one
-            # more try on a fresh connection.
-            if not reused:
+            # more try on a fresh connection, within what is left of the same timeout.
+            left = deadline - time.monotonic()
+            if not reused or left <= 0:
                 raise
-            return self._request_once(path, timeout_s)
+            return self._request_once(path, left)
 
     def _request_once(self, path: str, timeout_s: float) -> tuple:
         if self.conn is None:
-            self.conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout_s)
+            # DNS within the timeout too (see _Resolver); the connect is bounded by it.
+            started = time.monotonic()
+            address = _resolver.address(self.host, self.port, timeout_s)
+            timeout_s = max(0.001, timeout_s - (time.monotonic() - started))
+            self.conn = http.client.HTTPConnection(address, self.port, timeout=timeout_s)
         else:
             self.conn.timeout = timeout_s
             if self.conn.sock is not None:
@@ -199,8 +267,10 @@ class Coordinator:
             if group is not None:
                 query.append(("group", group))
             path = replica.base + "/v1/events" + ("?" + urllib.parse.urlencode(query) if query else "")
-            conn = http.client.HTTPConnection(replica.host, replica.port, timeout=idle_timeout_s)
+            conn: Optional[http.client.HTTPConnection] = None
             try:
+                address = _resolver.address(replica.host, replica.port, idle_timeout_s)
+                conn = http.client.HTTPConnection(address, replica.port, timeout=idle_timeout_s)
                 conn.request("GET", path, headers={"Accept": "text/event-stream"})
                 resp = conn.getresponse()
                 if resp.status != 200:
@@ -249,7 +319,8 @@ class Coordinator:
                     time.sleep(pause)
                 pause = min(pause * 2, 2.0)
             finally:
-                conn.close()
+                if conn is not None:
+                    conn.close()
 
     def _get(self, path: str, timeout_s: float, *, answers: tuple = (200,), healthy_503: bool = False) -> Any:
         deadline = time.monotonic() + max(0.0, timeout_s)

@@ -58,6 +58,9 @@ FOLLOW_S = 120.0
 # After the coordinator could not be reached, do not try again for this long: a dead
 # coordinator must not cost every failing room a budget.
 COORDINATOR_BACKOFF_S = 5.0
+# The most a clean exit (shutdown records) and a fatal one (the certificate and the rooms in
+# flight) delay SGLang's teardown, in total for the process: etcd takes them in milliseconds
+# when it is reachable; when it is not, the lease tells the death a TTL later instead.
 SHUTDOWN_TIMEOUT_S = 2.0
 FATAL_FLUSH_TIMEOUT_S = 2.0
 # How long the launcher's watchdog thread may wait for etcd to take a dead scheduler's certificate.
@@ -714,8 +717,10 @@ class _Plugin:
             for room in _rooms_in_flight(r.managers):
                 r.agent.record_failure(int(room), reason, f"this rank died ({reason}) with the room in flight: {detail}",
                                        origin="propagated")
+        # One bound for the whole teardown delay, whatever the number of ranks in this process.
+        deadline = time.monotonic() + FATAL_FLUSH_TIMEOUT_S
         for r in list(self.ranks.values()):
-            r.agent.flush(FATAL_FLUSH_TIMEOUT_S)
+            r.agent.flush(max(0.0, deadline - time.monotonic()))
         self.dead = True
         logger.info("rootrank: fatal scheduler exception (%s) certified for %s", reason, ", ".join(self.ranks) or "no rank")
 
@@ -791,9 +796,10 @@ class _Plugin:
     def on_clean_exit(self) -> None:
         if self.dead:
             return
+        deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
         for r in list(self.ranks.values()):
             if not r.agent.stopped:
-                r.agent.shutdown(SHUTDOWN_TIMEOUT_S)
+                r.agent.shutdown(max(0.0, deadline - time.monotonic()))
 
     def at_exit(self) -> None:
         try:
