@@ -6,8 +6,10 @@
 #   make test-server   the real-server tier: a real SGLang PD deployment (prefill TP=2, decode
 #                      TP=1, NIXL, sglang-router) with the plugin, a prefill rank SIGKILLed
 #   make bench-python  the plugin's costs (record_failure, poll hook, fallback budget)
+#   make demo-sglang   the real-server story for people: a request, then prefill rank 1
+#                      SIGKILLed with requests in flight, what clients and `rootrank why` say
 
-.PHONY: wheel test-python test-server bench-python
+.PHONY: wheel test-python test-server bench-python demo-sglang
 
 wheel:
 	@scripts/wheel.sh
@@ -19,6 +21,10 @@ test-python: deps
 test-server: deps
 	$(CARGO) build --bin rootrank
 	@ROOTRANK_BIN=$(ROOTRANK_DEBUG_BIN) scripts/test-server.sh
+
+demo-sglang: deps
+	$(CARGO) build --bin rootrank
+	@ROOTRANK_BIN=$(ROOTRANK_DEBUG_BIN) scripts/demo-sglang.sh
 
 bench-python: deps
 	$(CARGO) build --release --bin rootrank

@@ -91,6 +91,7 @@ _stats: Dict[str, int] = {
     "fallbacks_pending": 0,
     "fail_fast_rooms": 0,
     "launcher_aborted": 0,
+    "launcher_refused": 0,
     "aborts_ignored": 0,
     "errors": 0,
 }
@@ -381,6 +382,11 @@ class _Plugin:
         self.launcher_certified: Dict[int, List[Tuple[str, int]]] = {}
         # SGLang's SIGQUIT handler is scheduled (after the requests in flight were ended).
         self.sigquit_deferred = False
+        # In the launcher, once SGLang is shutting the server down: why (new requests get 503).
+        self.dying_text: Optional[str] = None
+        # Every target this process registered, and whether the hooks SGLang applied were said.
+        self.hook_targets: List[str] = []
+        self.hooks_reported = False
 
     # ---- registration
 
@@ -753,29 +759,32 @@ class _Plugin:
                        ", ".join(f"{g} rank {r}" for g, r in ranks) or "no rank (it had not registered)")
         return self.launcher_certified[proc.pid]
 
-    def on_sigquit(self, tokenizer_manager: Any) -> int:
+    def on_sigquit(self, tokenizer_manager: Any) -> Optional[str]:
         """SGLang's launcher got SIGQUIT ("one child failed"): its handler is about to block its
         event loop for the crash dumps (5 s + 60 s by default) and then kill the server, so every
         request in flight (a prefill's own HTTP request, which the router waits for too) hangs
         until then and ends as a dropped connection. Instead each ends now, through SGLang's own
-        abort path, with HTTP 503 naming the scheduler that died. Returns how many requests were
-        ended (the caller gives the event loop a moment to send them before SGLang's handler)."""
+        abort path, with HTTP 503 naming the scheduler that died, and a request that arrives
+        before the kill is refused the same way. Returns that text, or None when SGLang is left
+        to itself (fail fast off, or a crash dump folder that wants the requests unfinished)."""
         watchdog = getattr(tokenizer_manager, "_subprocess_watchdog", None)
         processes = list(getattr(watchdog, "_processes", None) or [])
         names = list(getattr(watchdog, "_names", None) or [f"process_{i}" for i in range(len(processes))])
         ranks = self._certify_killed(processes, names, "SIGQUIT") if processes else []
         if not self.fail_fast:
-            return 0
+            return None
         if getattr(tokenizer_manager, "crash_dump_folder", None):
             # SGLang's crash dump lists the unfinished requests: they stay unfinished for it.
             logger.warning("rootrank: SGLang's crash dump folder is set; requests in flight are left to it")
-            return 0
+            return None
         from sglang.srt.managers.io_struct import AbortReq
 
         if ranks:
             who = ", ".join(f"{g} rank {r}" for g, r in ranks) + " was killed by a signal"
         else:
             who = "a process of this SGLang server failed"
+        # From now on a new request is refused at once (the server is going down).
+        self.dying_text = f"rootrank: {who}; SGLang is shutting this server down"
         ended = 0
         for rid, state in list(getattr(tokenizer_manager, "rid_to_state", {}).items()):
             if getattr(state, "finished", True):
@@ -788,10 +797,9 @@ class _Plugin:
                 finished_reason={"type": "abort", "message": text, "status_code": 503}))
             ended += 1
         _stats["launcher_aborted"] += ended
-        if ended:
-            logger.warning("rootrank: %s; ended %d request(s) in flight with HTTP 503 now instead of when SGLang's "
-                           "shutdown drops them", who, ended)
-        return ended
+        logger.warning("rootrank: %s; ended %d request(s) in flight with HTTP 503 now instead of when SGLang's "
+                       "shutdown drops them, and answers new ones with 503 until then", who, ended)
+        return self.dying_text
 
     def on_clean_exit(self) -> None:
         if self.dead:
@@ -892,11 +900,36 @@ def _before_ingest(*args: Any, **kwargs: Any) -> None:
     p = _plugin
     if p is not None:
         try:
-            p.per_iteration = True
+            if not p.per_iteration:
+                p.per_iteration = True
+                _report_hooks(p, "scheduler")
             p.on_iteration()
         except Exception:
             _fault("iteration hook")
     return None
+
+
+def _report_hooks(p: "_Plugin", where: str) -> None:
+    """Once per process, when the plugin first runs there (a scheduler's first iteration, the
+    launcher's first watchdog check): which of its hooks SGLang really applied. The "plugin
+    active" line says what was registered; a hook SGLang could not apply (a method renamed in
+    another SGLang version) shows here."""
+    if p.hooks_reported:
+        return
+    p.hooks_reported = True
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    patched = getattr(HookRegistry, "_patched", None)
+    if patched is None:
+        return
+    short = lambda t: t.rsplit(".", 2)[-2] + "." + t.rsplit(".", 1)[-1]  # noqa: E731
+    took = [short(t) for t in p.hook_targets if t in patched]
+    missed = [short(t) for t in p.hook_targets if t not in patched]
+    if missed:
+        logger.warning("rootrank: in this %s, SGLang applied %s; not applied: %s", where, ", ".join(took) or "none",
+                       ", ".join(missed))
+    else:
+        logger.info("rootrank: in this %s, SGLang applied all %d hooks", where, len(took))
 
 
 def _after_poll(polls: Any, pollers: Any = None, *args: Any, **kwargs: Any) -> None:
@@ -983,6 +1016,7 @@ def _around_run_event_loop(original: Callable[..., Any], scheduler: Any, *args: 
 def _around_check_processes(original: Callable[..., Any], watchdog: Any, *args: Any, **kwargs: Any) -> Any:
     try:
         if _plugin is not None:
+            _report_hooks(_plugin, "launcher")
             processes = list(getattr(watchdog, "_processes", None) or [])
             names = list(getattr(watchdog, "_names", None) or [f"process_{i}" for i in range(len(processes))])
             _plugin.on_children_checked(processes, names)
@@ -995,24 +1029,53 @@ def _around_sigquit(original: Callable[..., Any], handler: Any, *args: Any, **kw
     p = _plugin
     if p is not None and p.sigquit_deferred:
         return None  # a second SIGQUIT (the watchdog's) while SGLang's handler is already due
-    ended = 0
+    dying = False
     try:
         if p is not None:
-            ended = p.on_sigquit(getattr(handler, "tokenizer_manager", None))
+            dying = p.on_sigquit(getattr(handler, "tokenizer_manager", None)) is not None
     except Exception:
         _fault("launcher SIGQUIT")
-    if ended:
+    if dying:
         try:
             import asyncio
 
-            # The handler runs as a callback of the event loop (loop.add_signal_handler): SGLang's
-            # own handler runs on it too, a moment later, after the responses went out.
-            asyncio.get_running_loop().call_later(LAUNCHER_ABORT_FLUSH_S, lambda: original(handler, *args, **kwargs))
+            # The handler runs as a callback of the event loop (loop.add_signal_handler). SGLang's
+            # own handler sleeps for its crash diagnostics (5 s + 60 s by default) and then kills
+            # the server: run on the loop, that sleep would hold every request that arrives
+            # meanwhile until the kill. It runs on its own thread instead, a moment later (after
+            # the ended requests' responses went out), and the loop keeps answering new requests
+            # with 503 (`_around_generate_request`) until the kill.
+            def later() -> None:
+                threading.Thread(target=original, args=(handler, *args), kwargs=kwargs,
+                                 name="sglang-sigquit", daemon=True).start()
+
+            asyncio.get_running_loop().call_later(LAUNCHER_ABORT_FLUSH_S, later)
             p.sigquit_deferred = True
             return None
         except Exception:
             _fault("launcher SIGQUIT deferral")
     return original(handler, *args, **kwargs)
+
+
+class _ServerDying(ValueError):
+    """What a dying server answers a new request with: SGLang's HTTP layer turns a ValueError
+    into an error response with its ``status_code``."""
+
+    status_code = 503
+
+
+def _around_generate_request(original: Callable[..., Any], tokenizer_manager: Any, *args: Any, **kwargs: Any) -> Any:
+    p = _plugin
+    text = p.dying_text if p is not None else None
+    if text is None:
+        return original(tokenizer_manager, *args, **kwargs)
+
+    async def refused() -> Any:
+        raise _ServerDying(text)
+        yield  # an async generator, as SGLang's generate_request is
+
+    _stats["launcher_refused"] += 1
+    return refused()
 
 
 def _called_from(names: Tuple[str, ...]) -> bool:
@@ -1073,6 +1136,7 @@ def _install(plugin: "_Plugin") -> None:
 
     def hook(target: str, fn: Callable[..., Any], kind: Any) -> None:
         HookRegistry.register(target, fn, kind)
+        plugin.hook_targets.append(target)
         hooked.append(target.rsplit(".", 2)[-2] + "." + target.rsplit(".", 1)[-1])
 
     hook("sglang.srt.disaggregation.common.conn.CommonKVManager.__init__", _after_kv_manager_init, HookType.AFTER)
@@ -1125,6 +1189,8 @@ def _install(plugin: "_Plugin") -> None:
         # handler (importing the tokenizer manager in every scheduler would cost each one).
         hook("sglang.srt.managers.tokenizer_manager.SignalHandler.running_phase_sigquit_handler",
              _around_sigquit, HookType.AROUND)
+        hook("sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request",
+             _around_generate_request, HookType.AROUND)
     _plugin = plugin
     atexit.register(plugin.at_exit)
     try:
