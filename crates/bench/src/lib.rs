@@ -15,7 +15,7 @@
 //! 9. [`startup`]: spawn to `/readyz` with a million records, by snapshot reader count, next
 //!    to the serial load before.
 //! 10. [`events`]: `GET /v1/events` with 1,000 readers at 5,000 records/s: delivery lag at
-//!    each reader, the coordinator's CPU and memory with and without them.
+//!     each reader, the coordinator's CPU and memory with and without them.
 //!
 //! Every figure goes into one JSON file with the machine's facts and the git revision; a
 //! Markdown table and an SVG of the latency distributions are made from it ([`report`]).

@@ -22,6 +22,9 @@ pub struct Metrics {
     pub http_connections_refused: IntCounter,
     pub rank_stalled: IntGaugeVec,
     pub events_readers: IntGauge,
+    /// One scrape at a time refills and gathers the index-derived gauges: two Prometheus
+    /// servers scraping at once would otherwise see each other's reset (partial series).
+    render_lock: std::sync::Mutex<()>,
 }
 
 impl Metrics {
@@ -131,11 +134,14 @@ impl Metrics {
             http_connections_refused,
             rank_stalled,
             events_readers,
+            render_lock: std::sync::Mutex::new(()),
         })
     }
 
     /// Renders the text exposition; gauges derived from the index are refreshed first.
     pub fn render(&self, index: &Index) -> String {
+        // A poisoned lock only means a scrape panicked: the gauges are refilled below anyway.
+        let _one_scrape = self.render_lock.lock().unwrap_or_else(|e| e.into_inner());
         self.rank_up.reset();
         for (g, r, up) in index.rank_liveness() {
             self.rank_up
@@ -154,5 +160,52 @@ impl Metrics {
             return String::new();
         }
         String::from_utf8(buf).unwrap_or_default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rootrank_core::{Event, IndexConfig};
+
+    fn index_with_ranks(n: u32) -> Index {
+        let mut index = Index::new(IndexConfig::default());
+        for rank in 0..n {
+            let value = serde_json::json!({
+                "v": 1, "group": "g", "rank": rank, "group_size": n, "host": "h", "pid": 1000 + rank,
+                "lease_ttl_ms": 5000, "started_at": "2026-01-01T00:00:00.000Z", "agent": "rootrank-agent/0.1.0"
+            });
+            index.apply(Event::Put {
+                key: format!("/rootrank/v1/groups/g/ranks/{rank}/live").into_bytes(),
+                value: value.to_string().into_bytes(),
+                lease: i64::from(100 + rank),
+                revision: i64::from(rank) + 2,
+                create_revision: i64::from(rank) + 2,
+                observed_at_ms: 0,
+            });
+        }
+        index
+    }
+
+    /// Two Prometheus servers scraping one replica at once: each scrape sees every series
+    /// (without the render lock one scrape's reset lands between another's refill and gather).
+    #[test]
+    fn concurrent_scrapes_each_see_every_series() {
+        let metrics = std::sync::Arc::new(Metrics::new().unwrap());
+        let index = std::sync::Arc::new(index_with_ranks(64));
+        assert_eq!(metrics.render(&index).matches("rootrank_rank_up{").count(), 64);
+        let scrapers: Vec<_> = (0..4)
+            .map(|_| {
+                let (metrics, index) = (metrics.clone(), index.clone());
+                std::thread::spawn(move || {
+                    (0..200)
+                        .map(|_| metrics.render(&index).matches("rootrank_rank_up{").count())
+                        .filter(|n| *n != 64)
+                        .count()
+                })
+            })
+            .collect();
+        let partial: usize = scrapers.into_iter().map(|t| t.join().unwrap()).sum();
+        assert_eq!(partial, 0, "scrapes saw partial rank_up series");
     }
 }

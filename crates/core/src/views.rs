@@ -356,46 +356,67 @@ impl Index {
     /// Recent root causes, newest first (`GET /v1/failures`). Derived from the rooms as they
     /// are now; a room whose records have expired is gone from the list too.
     pub fn recent_failures(&self, group: Option<&GroupId>, limit: usize) -> Vec<RootCause> {
-        let mut list: Vec<RootCause> = self
-            .root_causes
-            .iter()
-            .rev()
-            .filter_map(|(_, room)| {
-                // A resolved room's culprit does not depend on the time of the question.
-                let v = self.verdict(&crate::VerdictQuery {
-                    room: *room,
-                    group: None,
-                    asked_at_ms: 0,
-                    now_ms: 0,
-                });
-                let c = v.culprit?;
-                // The log's order key, from the culprit as it stands now (a room loaded from a
-                // snapshot taken between a vanished key and its certificate may have been
-                // placed by an earlier guess).
-                let revision = self.log_revision(*room);
-                Some(RootCause {
-                    room: *room,
-                    group: c.group,
-                    rank: c.rank,
-                    reason: c.reason,
-                    source: c.source,
-                    detail: c.detail,
-                    at: c.at,
-                    revision,
-                    repeat: c.repeat,
-                    cause: v.cause.map(|k| crate::CompactCause {
-                        group: k.group,
-                        rank: k.rank,
-                        reason: k.reason,
-                    }),
-                    advice: v.advice,
-                })
-            })
-            .filter(|c| group.is_none_or(|g| &c.group == g))
-            .collect();
+        // Newest key first, and only as far as needed: a room's order key now can only be at
+        // or below the one it was logged with (a death's revision only moves earlier, the
+        // first record never changes), so once `limit` rooms are at or above the next key,
+        // no older key can come before them (property-tested against the whole log).
+        let mut list: Vec<RootCause> = Vec::new();
+        if limit == 0 {
+            return list;
+        }
+        let mut keys = self.root_causes.iter().rev().peekable();
+        while let Some((_, room)) = keys.next() {
+            if let Some(c) = self
+                .root_cause_of(*room)
+                .filter(|c| group.is_none_or(|g| &c.group == g))
+            {
+                list.push(c);
+            }
+            if list.len() >= limit {
+                let mut revisions: Vec<i64> = list.iter().map(|c| c.revision).collect();
+                revisions.sort_unstable_by(|a, b| b.cmp(a));
+                let kth = revisions[limit - 1];
+                if keys.peek().is_none_or(|(next, _)| *next < kth) {
+                    break;
+                }
+            }
+        }
         list.sort_by(|a, b| b.revision.cmp(&a.revision).then(a.room.cmp(&b.room)));
         list.truncate(limit);
         list
+    }
+
+    /// One logged room's root cause, derived from the room as it is now.
+    fn root_cause_of(&self, room: crate::RoomId) -> Option<RootCause> {
+        // A resolved room's culprit does not depend on the time of the question.
+        let v = self.verdict(&crate::VerdictQuery {
+            room,
+            group: None,
+            asked_at_ms: 0,
+            now_ms: 0,
+        });
+        let c = v.culprit?;
+        // The log's order key, from the culprit as it stands now (a room loaded from a
+        // snapshot taken between a vanished key and its certificate may have been
+        // placed by an earlier guess).
+        let revision = self.log_revision(room);
+        Some(RootCause {
+            room,
+            group: c.group,
+            rank: c.rank,
+            reason: c.reason,
+            source: c.source,
+            detail: c.detail,
+            at: c.at,
+            revision,
+            repeat: c.repeat,
+            cause: v.cause.map(|k| crate::CompactCause {
+                group: k.group,
+                rank: k.rank,
+                reason: k.reason,
+            }),
+            advice: v.advice,
+        })
     }
 
     /// v3 `GET /v1/events` for a reader that resumes from before this index was loaded (a
@@ -407,7 +428,8 @@ impl Index {
     /// watching replica resolved it), so a reader gets only what it has not seen. A live or
     /// missing rank, whose last change etcd no longer shows (a stall that ended, a key
     /// deleted unseen), and a room resolved on a victim, with the index's revision: sent
-    /// again, harmless (resolved is final). What does not fit in `max` is dropped from the oldest end, and
+    /// again, harmless (resolved is final). What does not fit in `max` is dropped from the
+    /// oldest end, and
     /// `floor` says from which revision on the rest is complete.
     pub fn catch_up(&self, max: usize) -> CatchUp {
         let at = self.revision;
