@@ -62,8 +62,8 @@ class Fail(Exception):
 
 LOG_TAILS = []  # printed after a failure's message
 
-# Metrics the coordinator exports beyond SPEC section 8, each announced in the README's
-# "Changes to the contract": /metrics may carry these, and nothing else unannounced.
+# Metrics the coordinator exports beyond SPEC section 8, each announced in docs/contract.md
+# ("Changes to SPEC sections 4-8"): /metrics may carry these, and nothing else unannounced.
 EXTENSIONS = {
     "rootrank_http_connections": ("gauge", set()),
     "rootrank_http_connections_refused_total": ("counter", set()),
