@@ -1,6 +1,7 @@
 # The Python package and the SGLang plugin (crates/python). Included by the root Makefile.
 #
-#   make wheel         dist/rootrank-<version>-cp39-abi3-linux_x86_64.whl (any CPython >= 3.9)
+#   make wheel         dist/rootrank-<version>-cp39-abi3-manylinux_2_28_x86_64.whl (any CPython
+#                      >= 3.9, glibc >= 2.28), with the `rootrank` command
 #   make test-python   the Python API and real-SGLang tests (tests/python), in the cached
 #                      SGLang venv (~/.cache/rootrank/sglang-0.5.23, built once)
 #   make test-server   the real-server tier: a real SGLang PD deployment (prefill TP=2, decode

@@ -11,7 +11,7 @@
 #   nftables iproute2            the partition tests (network namespaces, blackhole rules)
 set -euo pipefail
 
-PKGS=(etcd-server etcd-client protobuf-compiler libprotobuf-dev clang libclang-dev g++ prometheus wrk hey chromium nftables iproute2)
+PKGS=(etcd-server etcd-client protobuf-compiler libprotobuf-dev clang libclang-dev g++ prometheus wrk hey chromium nftables iproute2 python3-venv)
 
 missing=()
 for p in "${PKGS[@]}"; do

@@ -33,7 +33,9 @@ REQS=("torch==2.14.1" torchvision "transformers==5.19.0" "tokenizers==0.23.2" "a
     # tier, tests/python/test_server.py).
     uvloop python-multipart jsonschema "soundfile==0.13.1" cffi pycparser "sglang-router==0.3.2"
     # node-watch reads a stalled rank's Python stack with py-spy (tests/python/test_waits.py).
-    "py-spy==0.4.3")
+    "py-spy==0.4.3"
+    # What tests/python/test_wheel.py asks about the wheel's platform tag.
+    "auditwheel==6.8.2")
 NODEPS=("sglang==$SGLANG_VERSION" "nixl==1.5.1")
 want="$(printf '%s\n' "${REQS[@]}" "${NODEPS[@]}" | sha256sum | cut -c1-16)"
 if [[ ! -f "$MARKER" || "$(cat "$MARKER")" != "$want" ]]; then

@@ -16,6 +16,7 @@ if [[ "${1:-}" == "--bench" ]]; then
 fi
 # The tests start their own etcd and coordinators; nothing from the caller's shell leaks in.
 # The real-server tier (test_server.py) runs on its own: scripts/test-server.sh.
+# test_wheel.py checks the wheel itself (auditwheel, a fresh venv without cargo).
 exec env -u ROOTRANK_ETCD_ENDPOINTS -u ROOTRANK_COORDINATOR -u ROOTRANK_PREFIX -u SGLANG_PLUGINS \
-    ROOTRANK_BIN="${ROOTRANK_BIN:-$PWD/target/debug/rootrank}" \
+    ROOTRANK_BIN="${ROOTRANK_BIN:-$PWD/target/debug/rootrank}" ROOTRANK_WHEEL="$PWD/$WHEEL" \
     "$VENV/bin/python" -m pytest -p no:cacheprovider -q -rA tests/python --ignore=tests/python/test_server.py "$@"

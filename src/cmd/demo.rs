@@ -3,7 +3,6 @@
 //! transfer failure and one SIGKILLed prefill rank.
 
 use std::collections::BTreeMap;
-use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
@@ -24,7 +23,7 @@ const FAIL_AT: u64 = 2;
 const KILL_RANK: u32 = 1;
 const KILL_AT: u64 = 5;
 
-pub fn run(_a: DemoArgs) -> anyhow::Result<ExitCode> {
+pub fn run(_a: DemoArgs) -> anyhow::Result<u8> {
     let lib = rootrank_transfer_agent::load_nixl(None).context(
         "rootrank demo runs real NIXL transfers and needs the NIXL runtime: run `make nixl` or `scripts/fetch-nixl.sh`",
     )?;
@@ -65,7 +64,7 @@ pub fn run(_a: DemoArgs) -> anyhow::Result<ExitCode> {
         "\n(demo took {:.1} s; no process left running)",
         started.elapsed().as_secs_f64()
     );
-    Ok(ExitCode::SUCCESS)
+    Ok(0)
 }
 
 async fn get_json(http: &reqwest::Client, url: &str) -> anyhow::Result<Value> {

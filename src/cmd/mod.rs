@@ -1,19 +1,21 @@
 //! Subcommands (SPEC section 7). Exit codes: 0 ok (or resolved), 1 error, 2 usage (clap),
-//! 3 verdict pending or unknown.
+//! 3 verdict pending or unknown. The ones that run NIXL (`demo`, `simulate`) come with the
+//! `nixl` feature (the binary's default; the Python package's `rootrank` command has the rest).
 
 mod client;
+#[cfg(feature = "nixl")]
 mod demo;
 mod node_watch;
 mod rank;
 mod run;
 mod serve;
+#[cfg(feature = "nixl")]
 mod sim_rank;
+#[cfg(feature = "nixl")]
 mod simulate;
 mod status;
 mod watch;
 mod why;
-
-use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
@@ -65,10 +67,13 @@ pub enum Command {
     #[command(hide = true)]
     Rank(rank::RankArgs),
     /// The whole story on one machine (private etcd, coordinator, real NIXL), narrated.
+    #[cfg(feature = "nixl")]
     Demo(demo::DemoArgs),
     /// A simulated PD deployment: one process per rank, real NIXL transfers, fault injection.
+    #[cfg(feature = "nixl")]
     Simulate(Box<simulate::SimulateArgs>),
     /// One rank of `rootrank simulate` (spawned by it).
+    #[cfg(feature = "nixl")]
     #[command(hide = true)]
     SimRank(sim_rank::SimRankArgs),
     /// The node watchdog (one per host): reports rank deaths in milliseconds, with their cause.
@@ -77,15 +82,18 @@ pub enum Command {
     Run(run::RunArgs),
 }
 
-pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
+pub fn run(cli: Cli) -> anyhow::Result<u8> {
     match cli.command {
         Command::Serve(a) => serve::run(a),
         Command::Why(a) => why::run(a),
         Command::Status(a) => status::run(a),
         Command::Watch(a) => watch::run(a),
         Command::Rank(a) => rank::run(a),
+        #[cfg(feature = "nixl")]
         Command::Demo(a) => demo::run(a),
+        #[cfg(feature = "nixl")]
         Command::Simulate(a) => simulate::run(*a),
+        #[cfg(feature = "nixl")]
         Command::SimRank(a) => sim_rank::run(a),
         Command::NodeWatch(a) => node_watch::run(a),
         Command::Run(a) => run::run(a),
@@ -98,4 +106,14 @@ pub fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
         .worker_threads(2)
         .enable_all()
         .build()?)
+}
+
+/// SIGINT or SIGTERM: a subcommand that runs until stopped ends cleanly on either.
+pub async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+        std::future::pending::<()>().await;
+        return;
+    };
+    tokio::select! { _ = term.recv() => {}, _ = int.recv() => {} }
 }

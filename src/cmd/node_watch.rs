@@ -1,6 +1,5 @@
 //! `rootrank node-watch`: the node watchdog, one per host (rootrank-node does the work).
 
-use std::process::ExitCode;
 use std::time::Duration;
 
 use rootrank_node::NodeWatchConfig;
@@ -31,7 +30,7 @@ pub struct NodeWatchArgs {
     pub py_spy: Option<std::path::PathBuf>,
 }
 
-pub fn run(a: NodeWatchArgs) -> anyhow::Result<ExitCode> {
+pub fn run(a: NodeWatchArgs) -> anyhow::Result<u8> {
     let mut config = NodeWatchConfig::new(a.etcd.etcd_endpoints);
     config.prefix = a.etcd.prefix;
     config.retention = Duration::from_secs(a.retention_s.max(1));
@@ -50,8 +49,8 @@ pub fn run(a: NodeWatchArgs) -> anyhow::Result<ExitCode> {
         }
     }
     super::runtime()?.block_on(async {
-        rootrank_node::node_watch(config, shutdown_signal()).await?;
-        Ok(ExitCode::SUCCESS)
+        rootrank_node::node_watch(config, super::shutdown_signal()).await?;
+        Ok(0)
     })
 }
 
@@ -61,20 +60,4 @@ fn find_on_path(name: &str) -> Option<std::path::PathBuf> {
         .split(':')
         .map(|d| std::path::Path::new(d).join(name))
         .find(|p| p.is_file())
-}
-
-/// SIGINT or SIGTERM.
-async fn shutdown_signal() {
-    use tokio::signal::unix::{signal, SignalKind};
-    match signal(SignalKind::terminate()) {
-        Ok(mut term) => {
-            tokio::select! {
-                _ = tokio::signal::ctrl_c() => {}
-                _ = term.recv() => {}
-            }
-        }
-        Err(_) => {
-            let _ = tokio::signal::ctrl_c().await;
-        }
-    }
 }

@@ -1,7 +1,6 @@
 //! `rootrank rank`: a rank process with an embedded agent, driven by commands on stdin.
 //! Tests use it as a real rank; operators can use it to see rootrank work by hand.
 
-use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::Context;
@@ -26,7 +25,7 @@ pub struct RankArgs {
     pub etcd: EtcdArgs,
 }
 
-pub fn run(a: RankArgs) -> anyhow::Result<ExitCode> {
+pub fn run(a: RankArgs) -> anyhow::Result<u8> {
     let mut config = AgentConfig::new(a.etcd.etcd_endpoints.clone(), &a.group, a.rank, a.group_size)?;
     config.prefix = a.etcd.prefix.clone();
     config.role = a.role.clone();
@@ -34,5 +33,5 @@ pub fn run(a: RankArgs) -> anyhow::Result<ExitCode> {
     let agent = Agent::start(config)?;
     rootrank_agent::script::drive(&agent, std::io::stdin().lock(), std::io::stdout().lock())
         .context("driving the rank")?;
-    Ok(ExitCode::SUCCESS)
+    Ok(0)
 }

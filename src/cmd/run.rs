@@ -1,6 +1,5 @@
 //! `rootrank run`: the supervisor of one rank process (rootrank-node does the work).
 
-use std::process::ExitCode;
 use std::time::Duration;
 
 use rootrank_node::SuperviseConfig;
@@ -40,7 +39,7 @@ pub struct RunArgs {
     pub command: Vec<String>,
 }
 
-pub fn run(a: RunArgs) -> anyhow::Result<ExitCode> {
+pub fn run(a: RunArgs) -> anyhow::Result<u8> {
     let mut config = SuperviseConfig::new(a.etcd.etcd_endpoints, &a.group, a.rank, a.group_size, a.command)?;
     config.prefix = a.etcd.prefix;
     config.lease_ttl = Duration::from_millis(a.lease_ttl_ms);
@@ -49,5 +48,5 @@ pub fn run(a: RunArgs) -> anyhow::Result<ExitCode> {
     config.metrics_listen = a.metrics_listen;
     let done = super::runtime()?.block_on(rootrank_node::supervise(config))?;
     // The child's status, as if it had been run directly (128 + signal for a signal).
-    Ok(ExitCode::from(done.code))
+    Ok(done.code)
 }

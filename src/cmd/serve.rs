@@ -2,7 +2,6 @@
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::Context;
@@ -65,7 +64,7 @@ fn remembered_ports(dir: &std::path::Path) -> EtcdOptions {
     opts
 }
 
-pub fn run(a: ServeArgs) -> anyhow::Result<ExitCode> {
+pub fn run(a: ServeArgs) -> anyhow::Result<u8> {
     let mut _private: Option<EmbeddedEtcd> = None;
     let endpoints = if a.etcd.etcd_endpoints.is_empty() {
         let dir = a.data_dir.clone().unwrap_or_else(default_data_dir).join("etcd");
@@ -110,7 +109,7 @@ pub fn run(a: ServeArgs) -> anyhow::Result<ExitCode> {
         config.endpoints.join(",")
     );
     let rt = super::runtime()?;
-    rt.block_on(rootrank_coordinator::run(config, super::simulate::shutdown_signal()))?;
+    rt.block_on(rootrank_coordinator::run(config, super::shutdown_signal()))?;
     eprintln!("rootrank: coordinator stopped");
-    Ok(ExitCode::SUCCESS)
+    Ok(0)
 }

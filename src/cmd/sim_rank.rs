@@ -1,7 +1,5 @@
 //! `rootrank sim-rank` (hidden): one rank process of `rootrank simulate`.
 
-use std::process::ExitCode;
-
 use anyhow::Context;
 use rootrank_sim::RankOpts;
 
@@ -12,8 +10,8 @@ pub struct SimRankArgs {
     pub opts: String,
 }
 
-pub fn run(a: SimRankArgs) -> anyhow::Result<ExitCode> {
+pub fn run(a: SimRankArgs) -> anyhow::Result<u8> {
     let opts: RankOpts = serde_json::from_str(&a.opts).context("--opts is not a sim-rank JSON")?;
     rootrank_sim::rank::run(opts)?;
-    Ok(ExitCode::SUCCESS)
+    Ok(0)
 }

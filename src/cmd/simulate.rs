@@ -1,7 +1,6 @@
 //! `rootrank simulate`: a simulated PD deployment with real NIXL transfers (see crates/sim).
 
 use std::path::PathBuf;
-use std::process::ExitCode;
 
 use anyhow::{bail, Context};
 use rootrank_sim::parent::{Fault, FaultKind, RoomSummary, SimConfig, SimReport};
@@ -138,7 +137,7 @@ pub fn config(a: &SimulateArgs) -> anyhow::Result<SimConfig> {
     })
 }
 
-pub fn run(a: SimulateArgs) -> anyhow::Result<ExitCode> {
+pub fn run(a: SimulateArgs) -> anyhow::Result<u8> {
     let config = config(&a)?;
     let rt = super::runtime()?;
     let json = a.json;
@@ -150,13 +149,13 @@ pub fn run(a: SimulateArgs) -> anyhow::Result<ExitCode> {
         }
     };
     // block_on keeps the ranks' spawning thread (their PDEATHSIG parent) the main thread.
-    let report = rt.block_on(rootrank_sim::parent::run(config, shutdown_signal(), &mut print))?;
+    let report = rt.block_on(rootrank_sim::parent::run(config, super::shutdown_signal(), &mut print))?;
     if json {
         println!("{}", serde_json::to_string(&report)?);
     } else {
         print!("{}", final_summary(&report));
     }
-    Ok(ExitCode::SUCCESS)
+    Ok(0)
 }
 
 pub fn final_summary(r: &SimReport) -> String {
@@ -210,15 +209,4 @@ pub fn final_summary(r: &SimReport) -> String {
     }
     out.push_str(&format!("  rank logs: {}\n", r.log_dir.display()));
     out
-}
-
-/// Resolves on SIGTERM or SIGINT (never, if the handlers cannot be installed): `simulate`
-/// then stops its ranks cleanly and reports, `serve` stops serving.
-pub async fn shutdown_signal() {
-    use tokio::signal::unix::{signal, SignalKind};
-    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
-        std::future::pending::<()>().await;
-        return;
-    };
-    tokio::select! { _ = term.recv() => {}, _ = int.recv() => {} }
 }

@@ -1,6 +1,5 @@
 //! `rootrank status`: groups and ranks at a glance.
 
-use std::process::ExitCode;
 use std::time::Duration;
 
 use serde_json::Value;
@@ -20,7 +19,7 @@ pub struct StatusArgs {
     pub json: bool,
 }
 
-pub fn run(a: StatusArgs) -> anyhow::Result<ExitCode> {
+pub fn run(a: StatusArgs) -> anyhow::Result<u8> {
     let rt = super::runtime()?;
     let api = Api::new(&a.coordinator.coordinator, Duration::from_secs(5))?;
     let v = match &a.group {
@@ -29,7 +28,7 @@ pub fn run(a: StatusArgs) -> anyhow::Result<ExitCode> {
     };
     if a.json {
         println!("{}", serde_json::to_string_pretty(&v)?);
-        return Ok(ExitCode::SUCCESS);
+        return Ok(0);
     }
     let s = |x: &Value| x.as_str().map(str::to_string).unwrap_or_else(|| x.to_string());
     if a.group.is_some() {
@@ -92,5 +91,5 @@ pub fn run(a: StatusArgs) -> anyhow::Result<ExitCode> {
             );
         }
     }
-    Ok(ExitCode::SUCCESS)
+    Ok(0)
 }

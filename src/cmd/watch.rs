@@ -2,7 +2,6 @@
 //! people or JSON lines with `--json`. Reconnects on its own (to the next replica too) and
 //! resumes after the last revision it printed; a 410 (`compacted`) is an error to report.
 
-use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::anyhow;
@@ -25,12 +24,12 @@ pub struct WatchArgs {
     pub json: bool,
 }
 
-pub fn run(a: WatchArgs) -> anyhow::Result<ExitCode> {
+pub fn run(a: WatchArgs) -> anyhow::Result<u8> {
     let rt = super::runtime()?;
     rt.block_on(follow(a))
 }
 
-async fn follow(a: WatchArgs) -> anyhow::Result<ExitCode> {
+async fn follow(a: WatchArgs) -> anyhow::Result<u8> {
     let bases = super::client::replica_urls(&a.coordinator.coordinator)?;
     let http = reqwest::Client::builder().build()?;
     let mut since = a.since;

@@ -1,6 +1,5 @@
 //! `rootrank why ROOM`: the verdict, for people or as JSON.
 
-use std::process::ExitCode;
 use std::time::Duration;
 
 use serde_json::Value;
@@ -25,7 +24,7 @@ pub struct WhyArgs {
     pub json: bool,
 }
 
-pub fn run(a: WhyArgs) -> anyhow::Result<ExitCode> {
+pub fn run(a: WhyArgs) -> anyhow::Result<u8> {
     let rt = super::runtime()?;
     let api = Api::new(&a.coordinator.coordinator, Duration::from_millis(a.wait_ms + 5_000))?;
     let mut query = vec![("wait_ms", a.wait_ms.to_string())];
@@ -38,11 +37,7 @@ pub fn run(a: WhyArgs) -> anyhow::Result<ExitCode> {
     } else {
         print!("{}", render(&v));
     }
-    Ok(if v["status"] == "resolved" {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::from(3)
-    })
+    Ok(if v["status"] == "resolved" { 0 } else { 3 })
 }
 
 fn urlencode(s: &str) -> String {

@@ -542,11 +542,21 @@ fn certify_exited(
     .map_err(|e| agent_error(py, e))
 }
 
+/// The `rootrank` command (`serve`, `why`, `status`, `watch`, `node-watch`, `run`, the same
+/// code as the binary's, without the NIXL subcommands) for the package's console script:
+/// runs one command line (`argv[0]` is the program name) in this process, the GIL released,
+/// and returns its exit code. Only ever called by `rootrank.cli.main`, in a process of its own.
+#[pyfunction]
+fn cli(py: Python<'_>, argv: Vec<String>) -> u8 {
+    py.detach(move || rootrank::main(argv))
+}
+
 #[pymodule]
 fn _rootrank(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyAgent>()?;
     m.add_function(wrap_pyfunction!(classify_fatal, m)?)?;
     m.add_function(wrap_pyfunction!(certify_exited, m)?)?;
+    m.add_function(wrap_pyfunction!(cli, m)?)?;
     m.add("AGENT_VERSION", AGENT_VERSION)?;
     Ok(())
 }

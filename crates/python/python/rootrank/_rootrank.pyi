@@ -86,3 +86,8 @@ def classify_fatal(traceback: str) -> str:
     """``"peer_lost"`` when a fatal traceback's exception says a peer of the rank's collective
     vanished (a victim, SPEC rule 7), else ``"python_exception"``."""
     ...
+
+def cli(argv: list[str]) -> int:
+    """Runs one `rootrank` command line (``argv[0]`` is the program name) in this process and
+    returns its exit code (``rootrank.cli.main``, the package's console script)."""
+    ...

@@ -371,6 +371,9 @@ class _Plugin:
         # Rooms whose verdict resolved in another group (the prefill): room -> (when, culprit).
         # Written by the fail-fast thread alone; the scheduler thread only reads it (dict.get).
         self.resolved_elsewhere: Dict[int, Tuple[float, Dict[str, Any]]] = {}
+        # Prefill instances known gone: bootstrap address -> (the words naming why, when).
+        # Written by the fail-fast thread alone, read by the scheduler thread (dict.get).
+        self.gone_instances: Dict[str, Tuple[str, float]] = {}
         # Prefill groups whose victim died first: group -> (endpoints, its down event).
         self.victim_wait: Dict[Any, Tuple[set, Dict[str, Any]]] = {}
         self.victim_lock = threading.Lock()
@@ -449,6 +452,8 @@ class _Plugin:
                     kind = ev.get("event")
                     if kind == "rank" and ev.get("state") == "down":
                         self.on_peer_down(ev)
+                    elif kind == "rank" and ev.get("state") == "live":
+                        self.on_peer_live(ev)
                     elif kind == "resolved":
                         self.on_room_resolved(ev.get("verdict") or {})
             except CoordinatorError as e:
@@ -507,6 +512,13 @@ class _Plugin:
             _fault("fail-fast victim grace")
 
     def _fail_instance(self, endpoints: set, note: str) -> None:
+        # Receivers SGLang creates for this instance from now on fail too (on_receiver),
+        # until one of its ranks registers again (on_peer_live).
+        now = time.monotonic()
+        for addr in endpoints:
+            self.gone_instances[addr] = (note, now)
+        while len(self.gone_instances) > RESOLVED_MEMORY:
+            self.gone_instances.pop(next(iter(self.gone_instances)), None)
         for kv_mgr in self._decode_managers():
             tracker = getattr(kv_mgr, "addr_to_rooms_tracker", None)
             handle = getattr(kv_mgr, "_handle_node_failure", None)
@@ -540,18 +552,40 @@ class _Plugin:
         for kv_mgr in self._decode_managers():
             self._fail_room(kv_mgr, room, culprit)
 
-    def on_receiver(self, kv_mgr: Any, room: Any) -> None:
+    def on_receiver(self, kv_mgr: Any, room: Any, addr: Any = None) -> None:
         """SGLang created a decode receiver for ``room`` (on the scheduler thread): if the
-        room's verdict already resolved elsewhere, the room fails now instead of waiting for
-        KV that will not come (a dict lookup; nothing else on this thread)."""
+        room's verdict already resolved elsewhere, or its prefill instance is known gone (the
+        router still sends it requests until its health check notices, and SGLang's decode
+        fetches the instance's bootstrap info again from the dying launcher, which still
+        answers), the room fails now instead of waiting for KV that will not come (dict
+        lookups; nothing else on this thread)."""
         try:
             room = int(room)
         except (TypeError, ValueError):
             return
         seen = self.resolved_elsewhere.get(room)
-        if seen is None or time.monotonic() - seen[0] > RESOLVED_FOR_S:
+        if seen is not None and time.monotonic() - seen[0] <= RESOLVED_FOR_S:
+            self._fail_room(kv_mgr, room, seen[1])
             return
-        self._fail_room(kv_mgr, room, seen[1])
+        gone = self.gone_instances.get(addr) if isinstance(addr, str) else None
+        if gone is None or time.monotonic() - gone[1] > RESOLVED_FOR_S:
+            return
+        status = getattr(kv_mgr, "request_status", {}).get(room)
+        if status is None or int(status) in (FAILED, SUCCESS):
+            return
+        # SGLang's own words for a prefill instance that went away, and why (a decode record
+        # naming the prefill by its address is peer_reported: the prefill's failure).
+        kv_mgr.record_failure(room, f"Lost connection with prefill instance (bootstrap_addr: {addr}) {gone[0]}")
+        from sglang.srt.disaggregation.base.conn import KVPoll
+
+        kv_mgr.update_status(room, KVPoll.Failed)
+        _stats["fail_fast_rooms"] += 1
+
+    def on_peer_live(self, ev: Dict[str, Any]) -> None:
+        """A rank registered (a restarted prefill instance): its addresses are served again."""
+        for addr in ev.get("endpoints") or ():
+            self.gone_instances.pop(addr, None)
+            _fail_fast_notes.pop(addr, None)
 
     def _fail_room(self, kv_mgr: Any, room: int, culprit: Dict[str, Any]) -> None:
         status = getattr(kv_mgr, "request_status", {}).get(room)
@@ -886,11 +920,11 @@ def _is_nixl(kv_mgr: Any) -> bool:
 
 def _after_receiver_init(result: Any, receiver: Any, *args: Any, **kwargs: Any) -> None:
     p = _plugin
-    if p is not None and p.fail_fast and p.resolved_elsewhere:
+    if p is not None and p.fail_fast and (p.resolved_elsewhere or p.gone_instances):
         try:
             kv_mgr = getattr(receiver, "kv_mgr", None)
             if kv_mgr is not None and getattr(getattr(kv_mgr, "_rootrank_rank", None), "role", None) == "decode":
-                p.on_receiver(kv_mgr, getattr(receiver, "bootstrap_room", None))
+                p.on_receiver(kv_mgr, getattr(receiver, "bootstrap_room", None), getattr(receiver, "bootstrap_addr", None))
         except Exception:
             _fault("receiver hook")
     return None
