@@ -9,8 +9,9 @@
 #   make bench-python  the plugin's costs (record_failure, poll hook, fallback budget)
 #   make demo-sglang   the real-server story for people: a request, then prefill rank 1
 #                      SIGKILLed with requests in flight, what clients and `rootrank why` say
+#   make bench-server  request latency and throughput through the router, plugin off and on
 
-.PHONY: wheel test-python test-server bench-python demo-sglang
+.PHONY: wheel test-python test-server bench-python demo-sglang bench-server
 
 wheel:
 	@scripts/wheel.sh
@@ -26,6 +27,10 @@ test-server: deps
 demo-sglang: deps
 	$(CARGO) build --bin rootrank
 	@ROOTRANK_BIN=$(ROOTRANK_DEBUG_BIN) scripts/demo-sglang.sh
+
+bench-server: deps
+	$(CARGO) build --bin rootrank
+	@ROOTRANK_BIN=$(ROOTRANK_DEBUG_BIN) scripts/demo-sglang.sh --bench
 
 bench-python: deps
 	$(CARGO) build --release --bin rootrank

@@ -4,6 +4,8 @@
 # the cached SGLang venv, the wheel installed into it, the tiny model; needs target/debug/rootrank
 # (or ROOTRANK_BIN): `make demo-sglang` builds it first. ~4 min and ~5 GB of RAM here.
 # ROOTRANK_SKIP_WHEEL=1: use the wheel already installed in the venv. ROOTRANK_DEMO_KEEP=1 keeps the logs.
+# --bench: instead, tests/python/bench_server.py (`make bench-server`: latency and throughput
+# through the router with the plugin off and on, one run; ~8 min).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="$(scripts/sglang-venv.sh | tail -n 1)"
@@ -15,4 +17,4 @@ fi
 cd tests/python
 exec env -u ROOTRANK_ETCD_ENDPOINTS -u ROOTRANK_COORDINATOR -u ROOTRANK_PREFIX -u SGLANG_PLUGINS \
     ROOTRANK_BIN="${ROOTRANK_BIN:-$PWD/../../target/debug/rootrank}" \
-    "$VENV/bin/python" demo_sglang.py
+    "$VENV/bin/python" "$([[ "${1:-}" == "--bench" ]] && echo bench_server.py || echo demo_sglang.py)"
