@@ -1,19 +1,14 @@
 #!/usr/bin/env bash
 # `make demo-sglang`: rootrank inside a real SGLang PD server (tests/python/demo_sglang.py),
-# told for people. Prepares what it needs like the real-server tier (scripts/test-server.sh):
-# the cached SGLang venv, the wheel installed into it, the tiny model; needs target/debug/rootrank
+# told for people. Prepares what it needs like the real-server tier (scripts/sglang-server-prep.sh:
+# the cached SGLang venv, the wheel installed into it, the tiny model); needs target/debug/rootrank
 # (or ROOTRANK_BIN): `make demo-sglang` builds it first. ~4 min and ~5 GB of RAM here.
 # ROOTRANK_SKIP_WHEEL=1: use the wheel already installed in the venv. ROOTRANK_DEMO_KEEP=1 keeps the logs.
 # --bench: instead, tests/python/bench_server.py (`make bench-server`: latency and throughput
 # through the router with the plugin off and on, one run; ~8 min).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VENV="$(scripts/sglang-venv.sh | tail -n 1)"
-if [[ -z "${ROOTRANK_SKIP_WHEEL:-}" ]]; then
-    WHEEL="$(scripts/wheel.sh | tail -n 1)"
-    "$VENV/bin/python" -m pip install --quiet --force-reinstall --no-deps "$WHEEL"
-fi
-"$VENV/bin/python" tests/python/server_kit.py make-model >/dev/null
+VENV="$(scripts/sglang-server-prep.sh | tail -n 1)"
 cd tests/python
 exec env -u ROOTRANK_ETCD_ENDPOINTS -u ROOTRANK_COORDINATOR -u ROOTRANK_PREFIX -u SGLANG_PLUGINS \
     ROOTRANK_BIN="${ROOTRANK_BIN:-$PWD/../../target/debug/rootrank}" \

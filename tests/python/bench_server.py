@@ -21,9 +21,9 @@ import threading
 import time
 from pathlib import Path
 
-from conftest import REPO, Coordinator, Etcd
+from conftest import REPO, Coordinator
 from server_kit import generate
-from test_server import plugin_env, start
+from test_server import plugin_env, start, tier_etcd
 
 SECONDS = float(os.environ.get("BENCH_SECONDS", "60"))
 CLIENTS = int(os.environ.get("BENCH_CLIENTS", "4"))
@@ -71,14 +71,15 @@ def side(tmp: Path, name: str, env: dict, etcd=None) -> dict:
 
 def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="rootrank-bench-server-"))
-    shm = Path(tempfile.mkdtemp(prefix="rootrank-bench-etcd-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
-    etcd = coordinator = None
     try:
         off = side(tmp, "off", {})
         print(f"plugin off: {off}", flush=True)
-        etcd = Etcd(shm)
-        coordinator = Coordinator(etcd, tmp)
-        on = side(tmp, "on", plugin_env(etcd, coordinator), etcd)
+        with tier_etcd() as etcd:
+            coordinator = Coordinator(etcd, tmp)
+            try:
+                on = side(tmp, "on", plugin_env(etcd, coordinator), etcd)
+            finally:
+                coordinator.kill()
         print(f"plugin on:  {on}", flush=True)
         out = {"clients": CLIENTS, "seconds": SECONDS, "max_new_tokens": TOKENS, "off": off, "on": on,
                "on_over_off_requests_per_s": round(on["requests_per_s"] / off["requests_per_s"], 3)
@@ -92,11 +93,6 @@ def main() -> int:
               f"\nwrote {path}")
         return 0
     finally:
-        if coordinator is not None:
-            coordinator.kill()
-        if etcd is not None:
-            etcd.kill()
-        shutil.rmtree(shm, ignore_errors=True)
         shutil.rmtree(tmp, ignore_errors=True)
 
 

@@ -13,6 +13,7 @@ and ~5 GB of RAM here; every process it starts is ended by pid, also on Ctrl-C.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -21,9 +22,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from conftest import ROOTRANK_BIN, Coordinator, Etcd
+from conftest import ROOTRANK_BIN, Coordinator
 from server_kit import generate
-from test_server import kill_prefill_rank1, plugin_env, start
+from test_server import kill_prefill_rank1, plugin_env, start, tier_etcd
 
 
 def say(text: str) -> None:
@@ -32,36 +33,39 @@ def say(text: str) -> None:
 
 def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="rootrank-demo-sglang-"))
-    shm = Path(tempfile.mkdtemp(prefix="rootrank-demo-etcd-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
-    etcd = coordinator = stack = None
+    stack = None
     try:
-        say("A private etcd and `rootrank serve` on loopback")
-        etcd = Etcd(shm)
-        coordinator = Coordinator(etcd, tmp)
-        print(f"etcd {etcd.url}, coordinator {coordinator.url}")
-        say("A real SGLang PD deployment: prefill TP=2 + decode TP=1 over NIXL, sglang-router in front, "
-            "the rootrank plugin loaded by SGLang itself (SGLANG_PLUGINS entry point); ~2-3 min to load here")
-        stack, ready = start(tmp, "demo", plugin_env(etcd, coordinator), etcd)
-        print(f"ready in {ready:.0f} s; router {stack.router}")
-        for line in stack.log("prefill").splitlines():
-            if "plugin active" in line:
-                print(line.strip()[:300])
-                break
-        r = generate(stack.router, "Which rank really failed this request?", 8)
-        print(f"a request through the router: HTTP {r['status']} in {r['seconds']:.1f} s, "
-              f"{len((r['body'] or {}).get('output_ids', []))} tokens")
-        say("prefill rank 1 SIGKILLed (the OOM killer's way) while six clients have requests in flight")
-        print("Without rootrank, the clients wait for SGLang's launcher: it gives CUDA 60 s to dump cores before "
-              "it exits, and decode notices only then (measured here: 65.6-74.4 s, an error naming no rank); "
-              "and the surviving prefill rank 0, which dies in gloo a moment after the kill, is the rank that "
-              "looks guilty (its traceback is the only one).")
-        kill_prefill_rank1(stack, etcd, coordinator, "demo", settle_s=60.0)
-        say("What an operator runs at 3 a.m.")
-        out = subprocess.run([ROOTRANK_BIN, "status", "--coordinator", coordinator.url],
-                             capture_output=True, text=True, timeout=30)
-        print("$ rootrank status\n" + out.stdout.rstrip())
-        print("\nThe killed rank is the culprit of every failed room, in both groups; rank 0 is listed as a victim.")
-        return 0
+        # Ended in reverse order, also on Ctrl-C: the deployment, the coordinator, etcd.
+        with contextlib.ExitStack() as running:
+            say("A private etcd and `rootrank serve` on loopback")
+            etcd = running.enter_context(tier_etcd(tmp))
+            coordinator = Coordinator(etcd, tmp)
+            running.callback(coordinator.kill)
+            print(f"etcd {etcd.url}, coordinator {coordinator.url}")
+            say("A real SGLang PD deployment: prefill TP=2 + decode TP=1 over NIXL, sglang-router in front, "
+                "the rootrank plugin loaded by SGLang itself (SGLANG_PLUGINS entry point); ~2-3 min to load here")
+            stack, ready = start(tmp, "demo", plugin_env(etcd, coordinator), etcd)
+            running.callback(stack.stop)
+            print(f"ready in {ready:.0f} s; router {stack.router}")
+            for line in stack.log("prefill").splitlines():
+                if "plugin active" in line:
+                    print(line.strip()[:300])
+                    break
+            r = generate(stack.router, "Which rank really failed this request?", 8)
+            print(f"a request through the router: HTTP {r['status']} in {r['seconds']:.1f} s, "
+                  f"{len((r['body'] or {}).get('output_ids', []))} tokens")
+            say("prefill rank 1 SIGKILLed (the OOM killer's way) while six clients have requests in flight")
+            print("Without rootrank, the clients wait for SGLang's launcher: it gives CUDA 60 s to dump cores before "
+                  "it exits, and decode notices only then (measured here: 65.6-74.4 s, an error naming no rank); "
+                  "and the surviving prefill rank 0, which dies in gloo a moment after the kill, is the rank that "
+                  "looks guilty (its traceback is the only one).")
+            kill_prefill_rank1(stack, etcd, coordinator, "demo", settle_s=60.0)
+            say("What an operator runs at 3 a.m.")
+            out = subprocess.run([ROOTRANK_BIN, "status", "--coordinator", coordinator.url],
+                                 capture_output=True, text=True, timeout=30)
+            print("$ rootrank status\n" + out.stdout.rstrip())
+            print("\nThe killed rank is the culprit of every failed room, in both groups; rank 0 is listed as a victim.")
+            return 0
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130
@@ -71,13 +75,6 @@ def main() -> int:
             print(stack.tails(20), file=sys.stderr)
         return 1
     finally:
-        if stack is not None:
-            stack.stop()
-        if coordinator is not None:
-            coordinator.kill()
-        if etcd is not None:
-            etcd.kill()
-        shutil.rmtree(shm, ignore_errors=True)
         if os.environ.get("ROOTRANK_DEMO_KEEP"):
             print(f"logs kept in {tmp}")
         else:

@@ -13,6 +13,7 @@ dumps before it exits, so decode learns late) and with its crash dumps off."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -37,25 +38,35 @@ CRASH_DUMPS_OFF = {"SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0", "SGLANG_PYSPY_DUMP_
 # rank's agent thread, in a process SGLang pins to one busy core at nice 10, missed its lease).
 LEASE_TTL_MS = "5000"
 
-@pytest.fixture
-def etcd(tmp):
-    """This tier's etcd: data on tmpfs and a step ahead of the SGLang processes for the CPU.
-    etcd syncs its log to disk on every write, and in one run all three ranks' leases expired
-    in one instant while the deployment idled, with the machine's disk and both cores busy with
-    three SGLang servers (an etcd that stalled past the leases was one suspect; the cause was not
-    proven). A deployment's etcd has its own disk and cores. Its log is kept next to the test's
-    other logs."""
+@contextlib.contextmanager
+def tier_etcd(logs_to: Path | None = None):
+    """The etcd next to a real SGLang deployment (this tier, the demo, the bench): data on
+    tmpfs and a step ahead of the SGLang processes for the CPU. etcd syncs its log to disk on
+    every write, and in one run all three ranks' leases expired in one instant while the
+    deployment idled, with the machine's disk and both cores busy with three SGLang servers (an
+    etcd that stalled past the leases was one suspect; the cause was not proven). A
+    deployment's etcd has its own disk and cores. Its log is copied to ``logs_to``."""
     shm = Path(tempfile.mkdtemp(prefix="rootrank-etcd-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
     e = Etcd(shm)
     try:
-        os.setpriority(os.PRIO_PROCESS, e.proc.pid, -5)
-    except OSError:
-        pass
-    yield e
-    e.kill()
-    for log in shm.glob("*.log"):
-        shutil.copy(log, tmp / f"etcd-{log.name}")
-    shutil.rmtree(shm, ignore_errors=True)
+        try:
+            os.setpriority(os.PRIO_PROCESS, e.proc.pid, -5)
+        except OSError:
+            pass
+        yield e
+    finally:
+        e.kill()
+        if logs_to is not None:
+            for log in shm.glob("*.log"):
+                shutil.copy(log, logs_to / f"etcd-{log.name}")
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+@pytest.fixture
+def etcd(tmp):
+    """This tier's etcd (see tier_etcd); its log is kept next to the test's other logs."""
+    with tier_etcd(tmp) as e:
+        yield e
 
 
 # Scenario 1's outputs without the plugin, for the runs with it.

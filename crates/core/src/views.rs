@@ -360,6 +360,7 @@ impl Index {
         // or below the one it was logged with (a death's revision only moves earlier, the
         // first record never changes), so once `limit` rooms are at or above the next key,
         // no older key can come before them (property-tested against the whole log).
+        let newest_first = |a: &RootCause, b: &RootCause| b.revision.cmp(&a.revision).then(a.room.cmp(&b.room));
         let mut list: Vec<RootCause> = Vec::new();
         if limit == 0 {
             return list;
@@ -373,16 +374,15 @@ impl Index {
                 list.push(c);
             }
             if list.len() >= limit {
-                let mut revisions: Vec<i64> = list.iter().map(|c| c.revision).collect();
-                revisions.sort_unstable_by(|a, b| b.cmp(a));
-                let kth = revisions[limit - 1];
-                if keys.peek().is_none_or(|(next, _)| *next < kth) {
+                // The page so far, in its final order: its last entry is the one to beat.
+                list.sort_by(newest_first);
+                list.truncate(limit);
+                if keys.peek().is_none_or(|(next, _)| *next < list[limit - 1].revision) {
                     break;
                 }
             }
         }
-        list.sort_by(|a, b| b.revision.cmp(&a.revision).then(a.room.cmp(&b.room)));
-        list.truncate(limit);
+        list.sort_by(newest_first);
         list
     }
 

@@ -570,16 +570,9 @@ class _Plugin:
         gone = self.gone_instances.get(addr) if isinstance(addr, str) else None
         if gone is None or time.monotonic() - gone[1] > RESOLVED_FOR_S:
             return
-        status = getattr(kv_mgr, "request_status", {}).get(room)
-        if status is None or int(status) in (FAILED, SUCCESS):
-            return
         # SGLang's own words for a prefill instance that went away, and why (a decode record
         # naming the prefill by its address is peer_reported: the prefill's failure).
-        kv_mgr.record_failure(room, f"Lost connection with prefill instance (bootstrap_addr: {addr}) {gone[0]}")
-        from sglang.srt.disaggregation.base.conn import KVPoll
-
-        kv_mgr.update_status(room, KVPoll.Failed)
-        _stats["fail_fast_rooms"] += 1
+        _fail_now(kv_mgr, room, f"Lost connection with prefill instance (bootstrap_addr: {addr}) {gone[0]}")
 
     def on_peer_live(self, ev: Dict[str, Any]) -> None:
         """A rank registered (a restarted prefill instance): its addresses are served again."""
@@ -588,21 +581,10 @@ class _Plugin:
             _fail_fast_notes.pop(addr, None)
 
     def _fail_room(self, kv_mgr: Any, room: int, culprit: Dict[str, Any]) -> None:
-        status = getattr(kv_mgr, "request_status", {}).get(room)
-        if status is None or int(status) in (FAILED, SUCCESS):
-            return
         text = "rootrank fail-fast: {} rank {} failed room {}: {} ({})".format(
             culprit.get("group"), culprit.get("rank"), room, culprit.get("reason"), culprit.get("source"))
-        _told.by = (room, {"group": culprit.get("group"), "rank": culprit.get("rank")})
-        try:
-            kv_mgr.record_failure(room, text)
-        finally:
-            _told.by = None
-        from sglang.srt.disaggregation.base.conn import KVPoll
-
-        kv_mgr.update_status(room, KVPoll.Failed)
-        _stats["fail_fast_rooms"] += 1
-        logger.warning("rootrank: room %d failed now: %s", room, text)
+        if _fail_now(kv_mgr, room, text, told={"group": culprit.get("group"), "rank": culprit.get("rank")}):
+            logger.warning("rootrank: room %d failed now: %s", room, text)
 
     # ---- local Failed polls
 
@@ -851,6 +833,25 @@ class _Plugin:
             self.on_clean_exit()
         except Exception:
             _fault("exit")
+
+
+def _fail_now(kv_mgr: Any, room: int, text: str, told: Optional[Dict[str, Any]] = None) -> bool:
+    """Fails a decode room that has not concluded through SGLang's own status path (the
+    reason recorded, then Failed), as its own timeouts would; ``told`` names the prefill rank
+    that failed it (the record is then peer_reported with that peer). Whether it failed it."""
+    status = getattr(kv_mgr, "request_status", {}).get(room)
+    if status is None or int(status) in (FAILED, SUCCESS):
+        return False
+    _told.by = (room, told) if told is not None else None
+    try:
+        kv_mgr.record_failure(room, text)
+    finally:
+        _told.by = None
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    kv_mgr.update_status(room, KVPoll.Failed)
+    _stats["fail_fast_rooms"] += 1
+    return True
 
 
 def _with_fail_fast_note(reason: str) -> str:
