@@ -25,7 +25,7 @@ lint: deps
 # Every test: the verdict core (tables and properties), the crates' own tests, and the
 # end-to-end tests on real etcd, real rank processes and real NIXL.
 # Last, the real-server tier (mk/python.mk): a real SGLang PD server with the wheel the
-# Python tests installed (~7.5 minutes here, ~7 GB of RAM).
+# Python tests installed (~10 minutes here, ~7 GB of RAM).
 test: nixl lint
 	$(CARGO) build --workspace --bins
 	$(CARGO) test --workspace --no-fail-fast

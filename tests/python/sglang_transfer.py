@@ -3,11 +3,14 @@ with the decode rank killed mid-transfer (after it asked for the KV, before the 
 WRITE lands). One process per side:
 
     python sglang_transfer.py prefill --bootstrap-port B --room R --dir D --model-dir M
-    python sglang_transfer.py decode  --bootstrap-port B --room R --dir D --model-dir M [--die]
+    python sglang_transfer.py decode  --bootstrap-port B --room R --dir D --model-dir M [--die|--stop]
 
-The prefill side writes D/prefill.json: what its sender polled and raised. The decode side
-SIGKILLs itself right after SGLang's send_metadata when --die is given (as the OOM killer
-would), else waits for the KV and writes D/decode.json.
+The prefill side writes D/prefill.json: what its sender polled and raised, and when it
+concluded. The decode side SIGKILLs itself right after SGLang's send_metadata when --die is
+given (as the OOM killer would), SIGSTOPs itself there with --stop (a wedged or frozen
+process, agent thread included: its lease runs out), else waits for the KV and writes
+D/decode.json. With --wait-for-death the prefill sends (its NIXL WRITE) only once the test
+says the decode is dead or stopped, and polls for at most --wait-s seconds.
 """
 
 from __future__ import annotations
@@ -78,6 +81,8 @@ def prefill(args) -> None:
     if args.wait_for_death:
         wait_file(os.path.join(args.dir, "decode-dead"))
     sender.send(np.arange(N_PAGES, dtype=np.int32))
+    out["sent_at"] = time.time()
+    deadline = time.monotonic() + args.wait_s
     while time.monotonic() < deadline:
         p = int(sender.poll())
         if polls[-1] != p:
@@ -86,6 +91,7 @@ def prefill(args) -> None:
             break
         time.sleep(0.005)
     out["polls"] = polls
+    out["concluded_at"] = time.time() if polls[-1] in (int(KVPoll.Success), int(KVPoll.Failed)) else None
     if polls[-1] == int(KVPoll.Failed):
         try:
             sender.failure_exception()
@@ -119,10 +125,10 @@ def decode(args) -> None:
     if rr is not None:
         rr.agent.wait_registered(10)
     receiver.send_metadata(np.arange(N_PAGES, dtype=np.int32), 0)
-    if args.die:
+    if args.die or args.stop:
         time.sleep(0.2)  # let the request reach the prefill
         write(os.path.join(args.dir, "decode-dying"), {"nixl_agent": kv_mgr.agent.name, "group": rr.group if rr else None})
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGSTOP if args.stop else signal.SIGKILL)
     while time.monotonic() < deadline:
         p = int(receiver.poll())
         if p in (int(KVPoll.Success), int(KVPoll.Failed)):
@@ -141,6 +147,8 @@ if __name__ == "__main__":
     ap.add_argument("--dir", required=True)
     ap.add_argument("--model-dir", required=True)
     ap.add_argument("--die", action="store_true")
+    ap.add_argument("--stop", action="store_true")
+    ap.add_argument("--wait-s", type=float, default=120.0)
     ap.add_argument("--wait-for-death", action="store_true")
     a = ap.parse_args()
     try:

@@ -11,6 +11,7 @@ import time
 import pytest
 
 import rootrank
+from rootrank._rootrank import certify_exited
 from conftest import Coordinator, spawn_python, wait_until
 
 RANK = """
@@ -61,6 +62,33 @@ def test_sigkilled_rank_is_named_lease_expired_and_down(etcd, coordinator, tmp):
         assert v["status"] == "resolved", v
         assert v["culprit"]["rank"] == 1 and v["culprit"]["reason"] == "lease_expired", v
         assert coordinator.rank_state("py-kill", 1) == "down"
+
+
+def test_a_parent_certifies_its_killed_child_with_the_rooms_it_had_in_flight(etcd, coordinator, tmp):
+    """What SGLang's launcher does for a scheduler killed by a signal (the plugin calls it):
+    the certificate names the rank, and every room the parent had in flight becomes a
+    propagated record whose verdict names it. Bad rooms change nothing."""
+    env = {"ROOTRANK_ETCD_ENDPOINTS": etcd.url, "G": "py-exited", "SIZE": "1", "LINGER": "60"}
+    child = spawn_python(RANK, {**env, "R": "0"}, tmp / "child.log")
+    wait_until(lambda: coordinator.rank_state("py-exited", 0) == "live", 20, "rank 0 live")
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    for bad in ([-1], [2 ** 63], [7, "8"]):
+        with pytest.raises((ValueError, TypeError)):
+            certify_exited(child.pid, signal=9, rooms=bad, etcd_endpoints=etcd.url)
+    assert not [k for k, _ in etcd.get_prefix("/rootrank/v1/groups/py-exited/") if "/down/" in k or "/rooms/" in k]
+    rooms = [11, 2 ** 63 - 1]
+    certified = certify_exited(child.pid, signal=9, detail="the test's launcher saw it", rooms=rooms,
+                                        etcd_endpoints=etcd.url)
+    assert certified == [("py-exited", 0)]
+    for room in rooms:
+        (key, rec), = etcd.get_prefix(f"/rootrank/v1/groups/py-exited/rooms/{room}/ranks/")
+        assert rec["origin"] == "propagated" and rec["reason"] == "process_exit", rec
+        assert "the test's launcher saw it" in rec["detail"] and rec["incarnation"], rec
+        v = coordinator.verdict(room, "py-exited", wait_ms=5000)
+        c = v["culprit"] or {}
+        assert v["status"] == "resolved" and (c["rank"], c["reason"], c["source"]) == (0, "process_exit",
+                                                                                      "down_certificate"), v
 
 
 def test_rank_holding_the_gil_for_three_ttls_stays_live(etcd, coordinator, tmp):

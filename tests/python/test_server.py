@@ -9,7 +9,9 @@ Scenario 1: greedy outputs with the plugin equal SGLang's alone (the plugin neve
 SGLang does). Scenario 2: prefill rank 1 SIGKILLed (the OOM killer's way) while requests are in
 flight: the culprit of the failed rooms is prefill rank 1, never prefill rank 0 (which dies in
 gloo a moment later) nor decode; with SGLang's defaults (its launcher waits 60 s for crash
-dumps before it exits, so decode learns late) and with its crash dumps off."""
+dumps before it exits, so decode learns late) and with its crash dumps off. Scenario 4 (the
+prefill's side): decode's scheduler frozen and then SIGKILLed while the prefill holds rooms
+waiting for it; before that, no false fail fast under load while other instances' ranks die."""
 
 from __future__ import annotations
 
@@ -27,8 +29,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOTRANK_BIN, Etcd
-from server_kit import Stack, generate, run_concurrently
+from conftest import ROOTRANK_BIN, Etcd, spawn_python
+from server_kit import Stack, _group_pids, generate, run_concurrently
 
 PROMPTS = ["The quick brown fox", "Which rank really failed this request?", "Prefill sends the KV cache",
            "Hello, world! Numbers: 0 1 2"]
@@ -142,6 +144,12 @@ def test_1_plugin_off_baseline(tmp):
     try:
         ids, seconds = greedy_outputs(stack)
         assert "rootrank: SGLang" not in stack.log("prefill") + stack.log("decode")
+        # Test 4's scenario, SGLang alone: the prefill keeps the rooms whose decode died before
+        # asking for their KV (its bootstrap queue) for its bootstrap timeout (300 s).
+        pid = decode_scheduler_pid(stack)
+        _, _, held = freeze_then_kill_decode(stack, pid, watch_s=30)
+        print(f"\nSGLang alone, decode scheduler frozen then SIGKILLed: prefill bootstrap queue {held}")
+        assert held and held[-1][1] >= 3, f"the prefill no longer holds the rooms 30 s after the kill: {held}"
     finally:
         stack.stop()
     print(f"\nplugin off: ready in {ready:.1f} s; request latency {', '.join(f'{s:.2f}' for s in seconds)} s")
@@ -350,3 +358,190 @@ def test_3_one_rank_fails_then_sigkilled_prefill_rank_named_crash_dumps_off(tmp,
         kill_prefill_rank1(stack, etcd, coordinator, "crash dumps off", settle_s=120)
     finally:
         stack.stop()
+
+
+def test_4_prefill_rooms_waiting_on_a_killed_decode_end_at_once(tmp, etcd, coordinator):
+    """The prefill's side of a decode death: decode's scheduler freezes (SIGSTOP: requests
+    reach the prefill, whose rooms then wait in Bootstrapping for the KV indices decode never
+    sends) and is then SIGKILLed. Nothing in the prefill ties such a room to a decode rank, and
+    SGLang holds it for its bootstrap timeout (300 s). With rootrank, decode's launcher records
+    the rooms it had in flight with the dead scheduler's certificate; each room's verdict names
+    decode rank 0, and the prefill plugin fails the room through SGLang's status path.
+
+    First, under load with both sides' fail fast following the events, ranks of other
+    instances die and fail rooms: no room of this healthy deployment is failed."""
+    stack, ready = start(tmp, "decode-dies", plugin_env(etcd, coordinator), etcd)
+    try:
+        print(f"\nplugin on: ready in {ready:.1f} s")
+        pg, dg, lives = groups(etcd, "decode dies")
+        no_false_fail_fast(stack, etcd, coordinator, tmp, pg, dg)
+        pid = lives[(dg, 0)]["pid"]
+        assert "scheduler" in cmdline(pid).lower() or "sglang" in cmdline(pid).lower(), cmdline(pid)
+        known_rooms = {room for (_, room, _) in room_records(etcd)}
+        results, killed_at, _ = freeze_then_kill_decode(stack, pid, watch_s=0)
+        seen: dict = {}
+        prefill_failed: dict = {}
+        decode_rooms: set = set()
+        while time.monotonic() - killed_at < 60:
+            now = time.monotonic() - killed_at
+            recs = {k: v for k, v in room_records(etcd).items() if k[1] not in known_rooms and k[1] != 0}
+            for (g, room, rank), rec in recs.items():
+                if g == dg and rec["origin"] == "propagated" and rec["reason"] == "process_exit":
+                    decode_rooms.add(room)
+                    seen.setdefault("decode launcher's room records", now)
+                if g == pg and room not in prefill_failed and "rootrank fail-fast" in rec.get("detail", ""):
+                    prefill_failed[room] = (now, rec)
+                    seen.setdefault("first prefill room failed", now)
+            if decode_rooms and decode_rooms <= set(prefill_failed) and all(r.get("done_at") for r in results):
+                break
+            time.sleep(0.2)
+        for (g, room, rank), rec in sorted(recs.items()):
+            print(f"  record {g} room {room} rank {rank}: {rec['origin']} {rec['reason']}: {rec.get('detail', '')[:160]}")
+        assert len(decode_rooms) >= 3, f"decode's launcher recorded {len(decode_rooms)} rooms in flight, expected the 3 sent"
+        assert decode_rooms <= set(prefill_failed), (
+            f"prefill rooms still waiting 60 s after the kill: {sorted(decode_rooms - set(prefill_failed))}")
+        for room in sorted(decode_rooms):
+            at, rec = prefill_failed[room]
+            assert rec["origin"] == "peer_reported" and rec["peer"]["group"] == dg, rec
+            assert f"rootrank fail-fast: {dg} rank 0 failed room {room}: process_exit" in rec["detail"], rec
+            v = coordinator.verdict(room, pg)
+            c = v["culprit"] or {}
+            assert v["status"] == "resolved" and (c["group"], c["rank"], c["reason"]) == (dg, 0, "process_exit"), v
+        held = bootstrap_queue(stack)
+        assert held == 0, f"the prefill's bootstrap queue still holds {held} request(s)"
+        print("decode dies, seconds after the kill: " + "; ".join(
+            f"{k} {v:.1f}" for k, v in sorted(seen.items(), key=lambda kv: kv[1]))
+            + f"; prefill rooms failed {', '.join(f'{prefill_failed[r][0]:.1f}' for r in sorted(decode_rooms))}"
+            + " (SGLang alone: its bootstrap timeout, 300 s)")
+        for r in results:
+            if r.get("done_at"):
+                print(f"  client got {r['done_at'] - killed_at:+.1f} s after the kill: {client_text(r)}")
+    finally:
+        stack.stop()
+
+
+BYSTANDER = """
+import json, os, time, rootrank
+a = rootrank.Agent(os.environ['G'], 0, 1, lease_ttl_ms=1000, role=os.environ['ROLE'],
+                   nixl_agent=os.environ.get('NIXL') or None, endpoints=json.loads(os.environ['ENDPOINTS']))
+a.wait_registered(20)
+a.record_failure(int(os.environ['ROOM']), 'nixl_error', 'a bystander failed its own room', origin='local')
+a.flush(10)
+print('ready', flush=True)
+time.sleep(600)
+"""
+
+
+def no_false_fail_fast(stack: Stack, etcd, coordinator, tmp: Path, pg: str, dg: str) -> None:
+    """24 requests, 8 at a time, through the router while a decode rank and a prefill rank of
+    other instances (their own NIXL agent, their own bootstrap address) fail rooms of their own
+    and are SIGKILLed: every request succeeds and nothing of this deployment is failed."""
+    bystanders = []
+    for i, (role, nixl, endpoints) in enumerate((("decode", "bystander-nixl-agent", []),
+                                                 ("prefill", "", ["127.0.0.1:9"]))):
+        env = {"ROOTRANK_ETCD_ENDPOINTS": etcd.url, "G": f"{role}-bystander:9-dp0", "ROLE": role, "NIXL": nixl,
+               "ENDPOINTS": json.dumps(endpoints), "ROOM": str(8_100_000_000_000_000_000 + i)}
+        bystanders.append(spawn_python(BYSTANDER, env, tmp / f"bystander-{role}.log"))
+    try:
+        results: list = []
+
+        def client(i: int) -> None:
+            for n in range(3):
+                results.append(generate(stack.router, f"{PROMPTS[i % len(PROMPTS)]} healthy {i}.{n}", 16, timeout=240))
+
+        threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(8)]
+        for t in threads:
+            t.start()
+        wait_until_text = time.monotonic() + 60
+        while sum((tmp / f"bystander-{r}.log").read_text().count("ready") for r in ("decode", "prefill")) < 2:
+            assert time.monotonic() < wait_until_text, "the bystanders never registered"
+            time.sleep(0.2)
+        time.sleep(2.0)
+        for b in bystanders:
+            b.kill()
+        for t in threads:
+            t.join(300)
+    finally:
+        for b in bystanders:
+            b.kill()
+            b.wait(10)
+    bad = [r for r in results if failed(r)]
+    assert len(results) == 24 and not bad, f"{len(bad)} of {len(results)} requests failed: {[client_text(r) for r in bad[:3]]}"
+    for role in ("decode", "prefill"):
+        g = f"{role}-bystander:9-dp0"
+        assert wait_until_state(coordinator, g, "down"), f"{g} rank 0 never down"
+    ours = {k: v for k, v in room_records(etcd).items() if k[0] in (pg, dg)}
+    assert not ours, f"a healthy deployment's rooms were failed: {ours}"
+    print(f"no false fail fast: 24 requests ok while two bystanders failed rooms and died "
+          f"(p50 {sorted(r['seconds'] for r in results)[12]:.1f} s)")
+
+
+def wait_until_state(coordinator, group: str, state: str, timeout_s: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if coordinator.rank_state(group, 0) == state:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def decode_scheduler_pid(stack: Stack) -> int:
+    """The decode server's one scheduler process (SGLang titles it `sglang::scheduler...`)."""
+    pids = [p for p in _group_pids(stack.procs["decode"].pid) if "scheduler" in cmdline(p)]
+    assert len(pids) == 1, f"decode scheduler processes: {[(p, cmdline(p)) for p in pids]}"
+    return pids[0]
+
+
+def bootstrap_queue(stack: Stack) -> int | None:
+    """How many requests the prefill holds in its bootstrap queue (waiting for decode to ask for
+    their KV), from SGLang's own `/v1/loads`; None when it does not answer."""
+    from server_kit import http
+
+    try:
+        status, body = http(f"{stack.prefill_url}/v1/loads?include=disagg", timeout=5)
+    except Exception:
+        return None
+    if status != 200:
+        return None
+
+    def total(x) -> int:
+        if isinstance(x, dict):
+            return sum(v if k == "prefill_bootstrap_queue_reqs" and isinstance(v, int) else total(v)
+                       for k, v in x.items())
+        return sum(total(v) for v in x) if isinstance(x, list) else 0
+
+    return total(body)
+
+
+def freeze_then_kill_decode(stack: Stack, pid: int, watch_s: float) -> tuple:
+    """Decode's scheduler SIGSTOPped, three requests sent (the prefill's rooms then wait in its
+    bootstrap queue for the KV indices decode never sends), SIGKILL once the prefill's
+    bootstrap queue holds the three. Returns (the
+    requests' results, filled in as they come back; when the kill was; the prefill's bootstrap
+    queue, as (seconds after the kill, requests) every 5 s for ``watch_s``)."""
+    os.kill(pid, signal.SIGSTOP)
+    results = run_in_background(stack, 3)
+    deadline = time.monotonic() + 60
+    while (bootstrap_queue(stack) or 0) < 3:  # the scenario's premise: the prefill holds them
+        assert time.monotonic() < deadline, f"the prefill's bootstrap queue never held the 3 requests: {results}"
+        time.sleep(0.2)
+    killed_at = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    held = []
+    while time.monotonic() - killed_at < watch_s:
+        time.sleep(5.0)
+        held.append((round(time.monotonic() - killed_at), bootstrap_queue(stack)))
+    return results, killed_at, held
+
+
+def run_in_background(stack: Stack, n: int) -> list:
+    """n requests sent at once on threads of their own; each result dict fills in when it
+    comes back (``done_at`` set)."""
+    results = [{} for _ in range(n)]
+
+    def one(i: int) -> None:
+        results[i].update(generate(stack.router, f"{PROMPTS[i % len(PROMPTS)]} decode dies {i}", 16, timeout=240))
+
+    for i in range(n):
+        threading.Thread(target=one, args=(i,), daemon=True).start()
+    return results

@@ -320,6 +320,57 @@ def test_7_decode_killed_mid_transfer_prefill_error_first_hand(tmp, etcd, coordi
     assert dying["group"] in v["advice"], v["advice"]
 
 
+@pytest.mark.parametrize("fail_fast", ["1", "0"])
+def test_17_prefill_writing_into_a_stopped_decode_fails_fast_naming_it(tmp, etcd, coordinator, fail_fast):
+    """A real transfer through SGLang's own NIXL managers: the decode rank asks for the KV and
+    is then SIGSTOPped (frozen: its agent thread too, so its lease runs out); the prefill's
+    WRITE goes into the stopped process. NIXL never ends such a WRITE and SGLang waits for it
+    without a bound: the harness gives the prefill 15 s. With rootrank the prefill plugin
+    follows /v1/events, sees the decode rank `down` with the NIXL agent its room is sending
+    to, and fails the room through SGLang's status path, naming the rank; with
+    ROOTRANK_FAIL_FAST=0 the room is still Transferring when the 15 s are up."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    model = tiny_model(tmp)
+    boot, room = free_port(), 4_242_424_242_424_242
+    env = sglang_env(tmp, ROOTRANK_LEASE_TTL_MS="1000", ROOTRANK_ETCD_ENDPOINTS=etcd.url,
+                     ROOTRANK_COORDINATOR=coordinator.url, ROOTRANK_FAIL_FAST=fail_fast)
+    common = ["--bootstrap-port", str(boot), "--room", str(room), "--dir", str(tmp), "--model-dir", str(model)]
+    script = str(HERE / "sglang_transfer.py")
+    prefill = subprocess.Popen([sys.executable, script, "prefill", "--wait-for-death", "--wait-s", "15", *common],
+                               env=env, stdout=open(tmp / "prefill.log", "w"), stderr=subprocess.STDOUT)
+    decode = subprocess.Popen([sys.executable, script, "decode", "--stop", "--port", str(free_port()), *common], env=env,
+                              stdout=open(tmp / "decode.log", "w"), stderr=subprocess.STDOUT)
+    try:
+        wait_until(lambda: (tmp / "decode-dying").exists() and open(f"/proc/{decode.pid}/stat").read().split()[2] == "T",
+                   120, "the decode rank stopped after asking for the KV")
+        stopped_at = time.time()
+        (tmp / "decode-dead").touch()
+        assert prefill.wait(120) == 0, (tmp / "prefill.log").read_text()
+    finally:
+        decode.kill()
+        decode.wait(30)
+    out = json.loads((tmp / "prefill.json").read_text())
+    dying = json.loads((tmp / "decode-dying").read_text())
+    if fail_fast == "0":
+        # SGLang alone: the WRITE into the stopped decode never settles.
+        assert out["polls"][-1] == int(KVPoll.Transferring) and out["concluded_at"] is None, out
+        return
+    assert out["polls"][-1] == int(KVPoll.Failed), out
+    text = out["raised"]["str"]
+    print(f"prefill: failed {out['concluded_at'] - stopped_at:.2f} s after the decode stopped "
+          f"(its lease: 1 s): {text}")
+    assert out["raised"]["is_from_another_rank"] is False, out
+    assert (f"rootrank fail-fast: decode {dying['group']} rank 0 (NIXL agent {dying['nixl_agent']}) is down: "
+            "lease_expired") in text, text
+    # The prefill's record is the decode's failure reported to it, never the prefill's own.
+    (key, rec), = etcd.get_prefix(f"/rootrank/v1/groups/{out['group']}/rooms/{room}/ranks/")
+    assert rec["origin"] == "peer_reported" and rec["peer"]["group"] == dying["group"], rec
+    v = coordinator.verdict(room, out["group"], wait_ms=3000)
+    c = v["culprit"] or {}
+    assert v["status"] == "resolved" and (c["group"], c["rank"], c["reason"]) == (dying["group"], 0, "lease_expired"), v
+
+
 def run_scheduler_group(tmp: Path, world: int, victim_of: int, env: dict, room: int = 5_764_607_523_034_234_881):
     """``world`` prefill ranks through SGLang's real run_scheduler_process (each under a
     launcher that records SIGQUIT), rank ``victim_of`` SIGKILLed mid-loop

@@ -12,8 +12,8 @@
 use std::time::{Duration, Instant};
 
 use rootrank_core::ids::reasons;
-use rootrank_core::records::{DownSource, ExitInfo, RankDown, RankLive, SCHEMA_VERSION};
-use rootrank_core::{time, GroupId, Incarnation, KeyKind, Keys, Rank, Reason};
+use rootrank_core::records::{DownSource, ExitInfo, Origin, RankDown, RankLive, RoomFailure, SCHEMA_VERSION};
+use rootrank_core::{time, GroupId, Incarnation, KeyKind, Keys, Rank, Reason, RoomId};
 use rootrank_store::etcd_client::GetOptions;
 use rootrank_store::{LazyClient, Retained, RetainedWriter, Written};
 
@@ -30,10 +30,17 @@ pub struct ExitedProcess {
     pub signal: Option<i32>,
     /// For people: who saw it and how (e.g. "SGLang's launcher saw scheduler_1 exit").
     pub detail: String,
+    /// The rooms the parent had in flight on it (SGLang's launcher: its requests' bootstrap
+    /// rooms). Each becomes a `propagated` record of every rank certified: the process could
+    /// not say which rooms died with it, and a peer still waiting on one of them (a prefill
+    /// whose decode died before asking for the KV) learns from its verdict that it will never
+    /// conclude. Never a root cause: the death is the candidate.
+    pub rooms: Vec<RoomId>,
 }
 
 /// Writes a down certificate (source `supervisor`, reason `process_exit`) for every rank
 /// whose live record names `exited.pid` in this process's pid namespace, host and boot.
+/// Then records `exited.rooms` for each of them (`propagated`, reason `process_exit`).
 /// Returns the ranks certified (written now or already certified by someone else first).
 pub fn certify_exited(
     endpoints: Vec<String>,
@@ -117,14 +124,58 @@ async fn certify(
             .write(Retained::Certificate { key: &key, down: &down }, Some(deadline))
             .await
         {
-            Written::Yes | Written::AlreadyThere => certified.push((live.group, live.rank)),
+            Written::Yes | Written::AlreadyThere => {}
             Written::GaveUp | Written::Rejected => {
                 return Err(AgentError::Etcd(format!("etcd did not take {key}")));
             }
         }
+        let records = room_records(&keys, &live, incarnation, exited)?;
+        let batch: Vec<(&str, &[u8])> = records.iter().map(|(k, v)| (k.as_str(), v.as_slice())).collect();
+        let written = writer.write_records(&batch, Some(deadline)).await;
+        if let Some(i) = written
+            .iter()
+            .position(|w| matches!(w, Written::GaveUp | Written::Rejected))
+        {
+            return Err(AgentError::Etcd(format!("etcd did not take {}", batch[i].0)));
+        }
+        certified.push((live.group, live.rank));
     }
     Ok(certified)
 }
+
+/// The `propagated` records of the rooms the exited process had in flight, for one of its ranks.
+fn room_records(
+    keys: &Keys,
+    live: &RankLive,
+    incarnation: Incarnation,
+    exited: &ExitedProcess,
+) -> Result<Vec<(String, Vec<u8>)>, AgentError> {
+    let at = time::format_ms(rootrank_store::unix_ms());
+    let mut detail = format!("in flight when this rank's process exited: {}", exited.detail);
+    rootrank_core::records::truncate_utf8(&mut detail, rootrank_core::records::MAX_DETAIL_BYTES);
+    let mut out = Vec::with_capacity(exited.rooms.len());
+    for &room in exited.rooms.iter().take(MAX_ROOMS) {
+        let rec = RoomFailure {
+            v: SCHEMA_VERSION,
+            group: live.group.clone(),
+            rank: live.rank,
+            room,
+            origin: Origin::Propagated,
+            reason: Reason::well_known(reasons::PROCESS_EXIT),
+            detail: detail.clone(),
+            at: Some(at.clone()),
+            incarnation: Some(incarnation),
+            peer: None,
+        };
+        let value = serde_json::to_vec(&rec).map_err(|e| AgentError::Config(e.to_string()))?;
+        out.push((keys.room(&live.group, room, live.rank), value));
+    }
+    Ok(out)
+}
+
+/// At most this many rooms per certified rank (SGLang's default `--max-running-requests` and
+/// its queues stay far below it).
+pub const MAX_ROOMS: usize = 4096;
 
 /// How long the certificate stays in etcd (as the agent's records: the retention window).
 const RETENTION: Duration = Duration::from_secs(600);

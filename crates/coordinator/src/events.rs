@@ -85,6 +85,10 @@ struct RankEvent<'a> {
     /// What the rank published in `RankLive.endpoints` (a prefill's bootstrap addresses).
     #[serde(skip_serializing_if = "<[String]>::is_empty")]
     endpoints: &'a [String],
+    /// The rank's NIXL agent name (`RankLive.nixl_agent`): how a prefill knows its transfer
+    /// peer (SGLang's prefill keys a room's decode destinations by it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    agent: Option<&'a str>,
 }
 
 #[derive(Serialize)]
@@ -277,6 +281,7 @@ fn encode_rank(
         incarnation: incarnation.map(|i| i.to_string()),
         role: index.group_role(group),
         endpoints: incarnation.map_or(&[], |i| index.rank_endpoints(group, rank, i)),
+        agent: incarnation.and_then(|i| index.rank_nixl_agent(group, rank, i)),
     };
     let data = serde_json::to_string(&ev).ok()?;
     Some((revision, vec![group.clone()], data))

@@ -480,6 +480,14 @@ impl Index {
             .map_or(&[], |h| h.record.endpoints.as_slice())
     }
 
+    /// The NIXL agent name an incarnation published in its live record, if any.
+    pub fn rank_nixl_agent(&self, group: &GroupId, rank: Rank, incarnation: Incarnation) -> Option<&str> {
+        self.ranks
+            .get(&(group.clone(), rank))
+            .and_then(|s| s.history.iter().find(|h| h.incarnation == incarnation))
+            .and_then(|h| h.record.nixl_agent.as_deref())
+    }
+
     /// The role its ranks registered with (`prefill`, `decode`), when they said.
     pub fn group_role(&self, group: &GroupId) -> Option<&str> {
         self.groups.get(group).and_then(|g| g.role.as_deref())

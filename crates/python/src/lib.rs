@@ -490,14 +490,16 @@ fn classify_fatal(traceback: &str) -> &'static str {
     rootrank_core::fatal::classify_fatal(traceback)
 }
 
-/// ``certify_exited(pid, *, exit_code=None, signal=None, detail="", etcd_endpoints=None,
-/// prefix=None, timeout_s=2.0)``: for the parent of a rank process that exited (SGLang's
-/// launcher), writes the down certificate (`process_exit`, source `supervisor`, with the exit
-/// status) of every rank whose live record names ``pid`` in this pid namespace, host and boot.
+/// ``certify_exited(pid, *, exit_code=None, signal=None, detail="", rooms=None,
+/// etcd_endpoints=None, prefix=None, timeout_s=2.0)``: for the parent of a rank process that
+/// exited (SGLang's launcher), writes the down certificate (`process_exit`, source
+/// `supervisor`, with the exit status) of every rank whose live record names ``pid`` in this
+/// pid namespace, host and boot, then a `propagated` record of each of ``rooms`` (the rooms
+/// the parent had in flight on it, at most 4,096) for each such rank.
 /// Returns ``[(group, rank), ...]`` certified. Waits at most ``timeout_s`` (the GIL released);
 /// raises ``RootrankError`` when etcd does not take it in time.
 #[pyfunction]
-#[pyo3(signature = (pid, *, exit_code=None, signal=None, detail="", etcd_endpoints=None, prefix=None, timeout_s=2.0))]
+#[pyo3(signature = (pid, *, exit_code=None, signal=None, detail="", rooms=None, etcd_endpoints=None, prefix=None, timeout_s=2.0))]
 #[allow(clippy::too_many_arguments)]
 fn certify_exited(
     py: Python<'_>,
@@ -505,10 +507,21 @@ fn certify_exited(
     exit_code: Option<i32>,
     signal: Option<i32>,
     detail: &str,
+    rooms: Option<Vec<i128>>,
     etcd_endpoints: Option<&Bound<'_, PyAny>>,
     prefix: Option<String>,
     timeout_s: f64,
 ) -> PyResult<Vec<(String, u32)>> {
+    let rooms = rooms
+        .unwrap_or_default()
+        .into_iter()
+        .map(|room| {
+            u64::try_from(room)
+                .ok()
+                .and_then(|r| rootrank_core::RoomId::new(r).ok())
+                .ok_or_else(|| invalid(py, format!("room {room} is not a bootstrap room (0 <= room < 2^63)")))
+        })
+        .collect::<PyResult<Vec<_>>>()?;
     let pid = u32::try_from(pid)
         .ok()
         .filter(|p| *p > 0)
@@ -530,6 +543,7 @@ fn certify_exited(
         code: exit_code,
         signal,
         detail: text,
+        rooms,
     };
     let timeout = duration_from_secs(timeout_s).min(Duration::from_secs(60));
     let dispatch = log_dispatch();

@@ -44,6 +44,7 @@ import socket
 import sys
 import threading
 import time
+import weakref
 import traceback
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -65,6 +66,8 @@ SHUTDOWN_TIMEOUT_S = 2.0
 FATAL_FLUSH_TIMEOUT_S = 2.0
 # How long the launcher's watchdog thread may wait for etcd to take a dead scheduler's certificate.
 LAUNCHER_CERTIFY_TIMEOUT_S = 2.0
+# The most rooms in flight a launcher records with a dead scheduler's certificate.
+LAUNCHER_ROOMS = 4096
 # Rooms resolved elsewhere that a decode receiver created later still fails (bounded, and for
 # SGLang's own bootstrap timeout at most).
 RESOLVED_MEMORY = 65536
@@ -374,6 +377,8 @@ class _Plugin:
         # Prefill instances known gone: bootstrap address -> (the words naming why, when).
         # Written by the fail-fast thread alone, read by the scheduler thread (dict.get).
         self.gone_instances: Dict[str, Tuple[str, float]] = {}
+        # In the launcher: SGLang's TokenizerManager (its requests in flight), once seen.
+        self.tokenizer_manager: Optional["weakref.ref[Any]"] = None
         # Prefill groups whose victim died first: group -> (endpoints, its down event).
         self.victim_wait: Dict[Any, Tuple[set, Dict[str, Any]]] = {}
         self.victim_lock = threading.Lock()
@@ -423,7 +428,7 @@ class _Plugin:
         # Reasons recorded before the hook (none in practice) are published too.
         for room, reason in list(records.items()):
             r.publish_local(kv_mgr, room, reason)
-        if role == "decode" and self.fail_fast and self.coordinator is not None and self.fail_fast_thread is None:
+        if role in ("decode", "prefill") and self.fail_fast and self.coordinator is not None and self.fail_fast_thread is None:
             self.fail_fast_thread = threading.Thread(target=self._fail_fast_loop, name="rootrank-fail-fast", daemon=True)
             self.fail_fast_thread.start()
 
@@ -437,7 +442,7 @@ class _Plugin:
         for r in self.ranks.values():
             r.agent.progress()
 
-    # ---- fail fast (decode): a background thread, like SGLang's own heartbeat checker
+    # ---- fail fast: a background thread, like SGLang's own heartbeat checker
 
     def _fail_fast_loop(self) -> None:
         from rootrank.coordinator import Coordinator
@@ -466,8 +471,11 @@ class _Plugin:
                 _fault("fail-fast events")
                 self.fail_fast_stop.wait(2.0)
 
+    def _managers(self, role: str) -> List[Any]:
+        return [m for r in list(self.ranks.values()) if r.role == role for m in list(r.managers)]
+
     def _decode_managers(self) -> List[Any]:
-        return [m for r in list(self.ranks.values()) if r.role == "decode" for m in list(r.managers)]
+        return self._managers("decode")
 
     def on_peer_down(self, ev: Dict[str, Any]) -> None:
         """A rank of a prefill instance is down: the instance is gone (SGLang ends every
@@ -477,7 +485,12 @@ class _Plugin:
         A victim's death (``peer_lost``: it died because a peer of its collective vanished)
         comes first, milliseconds before the death that caused it is known: its instance's
         rooms wait up to ``VICTIM_GRACE_S`` for that death, so the text names the rank that
-        failed; if none comes, they fail naming no one."""
+        failed; if none comes, they fail naming no one.
+
+        A decode rank that is down concerns a prefill rank instead: :meth:`on_decode_down`."""
+        if ev.get("role") == "decode":
+            self.on_decode_down(ev)
+            return
         endpoints = set(ev.get("endpoints") or ())
         if not endpoints:
             return
@@ -498,6 +511,28 @@ class _Plugin:
         if held is not None:
             endpoints |= held[0]
         self._fail_instance(endpoints, "(rootrank: {} rank {} is down: {})".format(group, ev.get("rank"), ev.get("reason")))
+
+    def on_decode_down(self, ev: Dict[str, Any]) -> None:
+        """A decode rank is down (a prefill's side): the rooms this prefill rank is to send to it
+        (SGLang's ``transfer_infos[room]`` holds the room's decode destinations by NIXL agent
+        name, from the moment decode asked for the KV) will never conclude: a WRITE into a
+        stopped or cut-off decode never ends in NIXL, and a room not yet sent waits for
+        nothing. They fail now, naming the rank. A room whose decode had not asked yet is
+        not tied to any decode rank here: its decode's launcher publishes it (see
+        :meth:`_launcher_rooms`) and its verdict fails it (:meth:`on_room_resolved`)."""
+        agent = ev.get("agent")
+        if not isinstance(agent, str) or not agent:
+            return
+        text = "rootrank fail-fast: decode {} rank {} (NIXL agent {}) is down: {}".format(
+            ev.get("group"), ev.get("rank"), agent, ev.get("reason"))
+        told = {"group": ev.get("group"), "rank": ev.get("rank"), "agent": agent}
+        for kv_mgr in self._managers("prefill"):
+            infos = getattr(kv_mgr, "transfer_infos", None)
+            if not isinstance(infos, dict):
+                continue
+            for room, destinations in list(infos.items()):
+                if room and isinstance(destinations, dict) and agent in destinations and _fail_now(kv_mgr, room, text, told):
+                    logger.warning("rootrank: room %s failed now: %s", room, text)
 
     def _victim_grace_over(self, group: Any) -> None:
         with self.victim_lock:
@@ -533,32 +568,35 @@ class _Plugin:
                 _stats["fail_fast_rooms"] += rooms
 
     def on_room_resolved(self, verdict: Dict[str, Any]) -> None:
-        """A room's verdict resolved with its culprit in another group (the prefill): if this
-        decode rank waits on that room, it fails it now, naming the culprit. The prefill may
-        fail a room before decode has even created its receiver for it (the failure is
-        published in milliseconds): the room is remembered, and the receiver's creation fails
-        it then (see :meth:`on_receiver`)."""
+        """A room's verdict resolved with its culprit in another group (for decode its prefill;
+        for a prefill its decode, e.g. one that died before asking for the KV): if this rank
+        waits on that room, it fails it now, naming the culprit. A peer may fail a room before
+        this rank has even created its receiver or sender for it (the failure is published in
+        milliseconds): the room is remembered, and the creation fails it then (see
+        :meth:`on_receiver`)."""
         culprit = verdict.get("culprit") or {}
         try:
             room = int(verdict.get("room"))
         except (TypeError, ValueError):
             return
+        if room == 0:
+            return  # SGLang's health checks and warm-up (a fake transfer): many requests, one room
         own = {r.group for r in self.ranks.values()}
         if not culprit or "group" not in culprit or culprit.get("group") in own:
             return
         self.resolved_elsewhere[room] = (time.monotonic(), culprit)
         while len(self.resolved_elsewhere) > RESOLVED_MEMORY:
             self.resolved_elsewhere.pop(next(iter(self.resolved_elsewhere)), None)
-        for kv_mgr in self._decode_managers():
+        for kv_mgr in self._decode_managers() + self._managers("prefill"):
             self._fail_room(kv_mgr, room, culprit)
 
     def on_receiver(self, kv_mgr: Any, room: Any, addr: Any = None) -> None:
-        """SGLang created a decode receiver for ``room`` (on the scheduler thread): if the
-        room's verdict already resolved elsewhere, or its prefill instance is known gone (the
-        router still sends it requests until its health check notices, and SGLang's decode
-        fetches the instance's bootstrap info again from the dying launcher, which still
-        answers), the room fails now instead of waiting for KV that will not come (dict
-        lookups; nothing else on this thread)."""
+        """SGLang created a decode receiver (or a prefill sender) for ``room`` (on the
+        scheduler thread): if the room's verdict already resolved elsewhere, or (decode, at
+        ``addr``) its prefill instance is known gone (the router still sends it requests until
+        its health check notices, and SGLang's decode fetches the instance's bootstrap info
+        again from the dying launcher, which still answers), the room fails now instead of
+        waiting for what will not come (dict lookups; nothing else on this thread)."""
         try:
             room = int(room)
         except (TypeError, ValueError):
@@ -768,12 +806,31 @@ class _Plugin:
             return self.launcher_certified[proc.pid]
         sig = -int(proc.exitcode)
         detail = f"SGLang's launcher ({found_by}) found {name} (pid {proc.pid}) killed by signal {sig}"
-        ranks = certify_exited(int(proc.pid), signal=sig, detail=detail, etcd_endpoints=self.endpoints,
-                               timeout_s=LAUNCHER_CERTIFY_TIMEOUT_S)
+        ranks = certify_exited(int(proc.pid), signal=sig, detail=detail, rooms=self._launcher_rooms(),
+                               etcd_endpoints=self.endpoints, timeout_s=LAUNCHER_CERTIFY_TIMEOUT_S)
         self.launcher_certified[proc.pid] = [(str(g), int(r)) for g, r in ranks]
         logger.warning("rootrank: %s; certified %s", detail,
                        ", ".join(f"{g} rank {r}" for g, r in ranks) or "no rank (it had not registered)")
         return self.launcher_certified[proc.pid]
+
+    def _launcher_rooms(self) -> List[int]:
+        """The bootstrap rooms of the requests this launcher has in flight (bounded). A
+        scheduler killed by a signal could not say which rooms died with it; its peer may be
+        waiting on one of them with nothing that ties the room to it (a prefill whose decode
+        died before asking for the room's KV holds it in Bootstrapping for SGLang's 300 s
+        bootstrap timeout): recorded with the death, each room's verdict names the dead rank,
+        and the peer's plugin fails it (:meth:`on_room_resolved`)."""
+        tm = self.tokenizer_manager() if self.tokenizer_manager is not None else None
+        rooms: List[int] = []
+        for state in list((getattr(tm, "rid_to_state", None) or {}).values()):
+            if getattr(state, "finished", True):
+                continue
+            room = getattr(getattr(state, "obj", None), "bootstrap_room", None)
+            for r in room if isinstance(room, list) else [room]:
+                # Room 0 is SGLang's health checks and warm-up (a fake bootstrap host): no transfer.
+                if isinstance(r, int) and not isinstance(r, bool) and 0 < r < 2 ** 63 and len(rooms) < LAUNCHER_ROOMS:
+                    rooms.append(r)
+        return rooms
 
     def on_sigquit(self, tokenizer_manager: Any) -> Optional[str]:
         """SGLang's launcher got SIGQUIT ("one child failed"): its handler is about to block its
@@ -783,6 +840,8 @@ class _Plugin:
         abort path, with HTTP 503 naming the scheduler that died, and a request that arrives
         before the kill is refused the same way. Returns that text, or None when SGLang is left
         to itself (fail fast off, or a crash dump folder that wants the requests unfinished)."""
+        if tokenizer_manager is not None and self.tokenizer_manager is None:
+            self.tokenizer_manager = weakref.ref(tokenizer_manager)
         watchdog = getattr(tokenizer_manager, "_subprocess_watchdog", None)
         processes = list(getattr(watchdog, "_processes", None) or [])
         names = list(getattr(watchdog, "_names", None) or [f"process_{i}" for i in range(len(processes))])
@@ -836,9 +895,9 @@ class _Plugin:
 
 
 def _fail_now(kv_mgr: Any, room: int, text: str, told: Optional[Dict[str, Any]] = None) -> bool:
-    """Fails a decode room that has not concluded through SGLang's own status path (the
-    reason recorded, then Failed), as its own timeouts would; ``told`` names the prefill rank
-    that failed it (the record is then peer_reported with that peer). Whether it failed it."""
+    """Fails a room that has not concluded through SGLang's own status path (the reason
+    recorded, then Failed), as its own timeouts would; ``told`` names the peer rank that failed
+    it or is gone (the record is then peer_reported with that peer). Whether it failed it."""
     status = getattr(kv_mgr, "request_status", {}).get(room)
     if status is None or int(status) in (FAILED, SUCCESS):
         return False
@@ -928,6 +987,18 @@ def _after_receiver_init(result: Any, receiver: Any, *args: Any, **kwargs: Any) 
                 p.on_receiver(kv_mgr, getattr(receiver, "bootstrap_room", None), getattr(receiver, "bootstrap_addr", None))
         except Exception:
             _fault("receiver hook")
+    return None
+
+
+def _after_sender_init(result: Any, sender: Any, *args: Any, **kwargs: Any) -> None:
+    p = _plugin
+    if p is not None and p.fail_fast and p.resolved_elsewhere:
+        try:
+            kv_mgr = getattr(sender, "kv_mgr", None)
+            if kv_mgr is not None and getattr(getattr(kv_mgr, "_rootrank_rank", None), "role", None) == "prefill":
+                p.on_receiver(kv_mgr, getattr(sender, "bootstrap_room", None))
+        except Exception:
+            _fault("sender hook")
     return None
 
 
@@ -1101,6 +1172,11 @@ class _ServerDying(ValueError):
 
 def _around_generate_request(original: Callable[..., Any], tokenizer_manager: Any, *args: Any, **kwargs: Any) -> Any:
     p = _plugin
+    if p is not None and p.tokenizer_manager is None:
+        try:
+            p.tokenizer_manager = weakref.ref(tokenizer_manager)  # its requests in flight
+        except TypeError:
+            pass
     text = p.dying_text if p is not None else None
     if text is None:
         return original(tokenizer_manager, *args, **kwargs)
@@ -1194,17 +1270,19 @@ def _install(plugin: "_Plugin") -> None:
     if hasattr(CommonKVManager, "apply_prefill_status"):
         hook("sglang.srt.disaggregation.common.conn.CommonKVManager.apply_prefill_status",
              _around_apply_prefill_status, HookType.AROUND)
-    # A decode receiver created for a room whose verdict already resolved at its prefill.
+    # A decode receiver (a prefill sender) created for a room whose verdict already resolved
+    # at its peer.
     import importlib
 
-    for module, name in (("sglang.srt.disaggregation.common.conn", "CommonKVReceiver"),
-                         ("sglang.srt.disaggregation.nixl.conn", "NixlKVReceiver")):
-        try:
-            if "__init__" in getattr(importlib.import_module(module), name).__dict__:
-                hook(f"{module}.{name}.__init__", _after_receiver_init, HookType.AFTER)
-                break
-        except Exception:
-            continue
+    for kind, after in (("Receiver", _after_receiver_init), ("Sender", _after_sender_init)):
+        for module, name in (("sglang.srt.disaggregation.common.conn", f"CommonKV{kind}"),
+                             ("sglang.srt.disaggregation.nixl.conn", f"NixlKV{kind}")):
+            try:
+                if "__init__" in getattr(importlib.import_module(module), name).__dict__:
+                    hook(f"{module}.{name}.__init__", after, HookType.AFTER)
+                    break
+            except Exception:
+                continue
     for cls in _fallback_classes():
         hook(f"{cls.__module__}.{cls.__qualname__}.failure_exception", _around_failure_exception, HookType.AROUND)
     hook("sglang.utils.get_exception_traceback", _after_exception_traceback, HookType.AFTER)
