@@ -5,14 +5,21 @@ CARGO ?= cargo
 # The debug binary the Python tiers start as the coordinator (cargo's target dir, wherever it is).
 ROOTRANK_DEBUG_BIN ?= $(if $(CARGO_TARGET_DIR),$(abspath $(CARGO_TARGET_DIR)),$(CURDIR)/target)/debug/rootrank
 
-.PHONY: all deps nixl build test lint demo serve clean
+.PHONY: all deps deps-build nixl nixl-build build test lint demo serve clean
 
 all: build
 
 deps:
 	@scripts/deps.sh
 
+# What building and running needs, without the test tools (Chromium, Prometheus, ...).
+deps-build:
+	@scripts/deps.sh build
+
 nixl: deps
+	@scripts/fetch-nixl.sh
+
+nixl-build: deps-build
 	@scripts/fetch-nixl.sh
 
 build: deps
@@ -33,11 +40,11 @@ test: nixl lint
 
 # The whole story on one machine: private etcd, coordinator, simulated PD deployment with
 # real NIXL transfers, a rank death and a transfer failure, narrated.
-demo: nixl
+demo: nixl-build
 	$(CARGO) run --release --bin rootrank -- demo
 
 # A coordinator with its own private etcd, on 127.0.0.1:9750.
-serve: deps
+serve: deps-build
 	$(CARGO) run --release --bin rootrank -- serve
 
 clean:

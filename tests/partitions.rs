@@ -30,8 +30,9 @@ struct Netns {
 }
 
 impl Netns {
-    fn create() -> Netns {
-        let n = 20 + std::process::id() % 200;
+    /// The `k`th namespace of this test process (tests of one binary run at once).
+    fn create(k: u32) -> Netns {
+        let n = 20 + (std::process::id() + 97 * k) % 200;
         let ns = Netns {
             name: format!("rrpart{n}"),
             host_if: format!("rrh{n}"),
@@ -137,7 +138,7 @@ async fn ready(url: &str, timeout: Duration) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_partitioned_replica_says_not_current_and_recovers_and_a_partitioned_rank_loses_nothing() {
     require_root("partitions", "network namespaces and nftables");
-    let ns = Netns::create();
+    let ns = Netns::create(0);
     // etcd listens on loopback (the host's processes) and on the veth (the namespace's).
     let port = free_port().unwrap();
     let dir = tempfile::tempdir().unwrap();
@@ -299,4 +300,91 @@ async fn a_partitioned_replica_says_not_current_and_recovers_and_a_partitioned_r
             assert_eq!(v["culprit"]["reason"], "nixl_error", "{v}");
         }
     }
+}
+
+/// node-watch inside a namespace cut off from etcd by a blackhole: it says it is blind within
+/// the silence limit (no reset, no error comes: without progress requests its watch would stay
+/// open and quiet for ever), re-creates its watch at the heal, and then watches and certifies a
+/// rank that registered while it was blind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_blackholed_node_watch_says_it_is_blind_and_catches_up_at_the_heal() {
+    require_root("partitions", "network namespaces and nftables");
+    let ns = Netns::create(1);
+    let port = free_port().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let etcd = EmbeddedEtcd::start(
+        dir.path(),
+        &EtcdOptions {
+            client_port: port,
+            extra_args: vec![
+                "--listen-client-urls".into(),
+                format!("http://127.0.0.1:{port},http://{}:{port}", ns.host_ip),
+            ],
+            ..EtcdOptions::default()
+        },
+    )
+    .unwrap();
+    let host_ep = etcd.endpoint();
+    let log = dir.path().join("node-watch.log");
+    let _node_watch = Killed(
+        ns.command(&rootrank_bin())
+            .args([
+                "node-watch",
+                "--etcd-endpoints",
+                &format!("http://{}:{port}", ns.host_ip),
+            ])
+            .env("ROOTRANK_LOG", "info,rootrank_node=debug")
+            .env("NO_COLOR", "1")
+            .stdin(Stdio::null())
+            .stdout(std::fs::File::create(&log).unwrap())
+            .stderr(std::fs::OpenOptions::new().append(true).open(&log).unwrap())
+            .spawn()
+            .unwrap(),
+    );
+    let text = || std::fs::read_to_string(&log).unwrap_or_default();
+    let first = Rank::start(&host_ep, "nw-blind", 0, 2, 1_000).unwrap();
+    let wait_log = |needle: String, within: Duration| async move {
+        eventually(within, &format!("node-watch log: {needle}"), || {
+            let found = text().contains(&needle);
+            async move { found.then_some(()) }
+        })
+        .await
+    };
+    wait_log(
+        format!("watching nw-blind/0 pid {} ", first.pid),
+        Duration::from_secs(20),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}\n{}", text()));
+
+    ns.partition(port);
+    let cut = Instant::now();
+    wait_log("etcd said nothing on the watch".into(), Duration::from_secs(30))
+        .await
+        .unwrap_or_else(|e| panic!("{e}\n{}", text()));
+    eprintln!("node-watch said it was blind {:?} after the blackhole", cut.elapsed());
+
+    // A rank registers while node-watch is blind, then the network heals.
+    let mut second = Rank::start(&host_ep, "nw-blind", 1, 2, 30_000).unwrap();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(
+        !text().contains(&format!("pid {} ", second.pid)),
+        "node-watch saw through the blackhole"
+    );
+    ns.heal();
+    let healed = Instant::now();
+    let needle = format!("watching nw-blind/1 pid {} ", second.pid);
+    wait_log(needle, Duration::from_secs(30))
+        .await
+        .unwrap_or_else(|e| panic!("{e}\n{}", text()));
+    eprintln!("node-watch watched the new rank {:?} after the heal", healed.elapsed());
+    // Its lease (30 s) outlives the test: the certificate is node-watch's.
+    let incarnation = second.incarnation.clone();
+    second.kill9();
+    let cert = rootrank_testkit::node::wait_certificate(&host_ep, "nw-blind", 1, &incarnation)
+        .await
+        .unwrap();
+    assert_eq!(cert.value["source"], "watchdog", "{:?}", cert);
+    assert_eq!(cert.value["reason"], "process_exit", "{:?}", cert);
+    drop(first);
 }

@@ -9,12 +9,12 @@
 use std::collections::HashSet;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use rootrank_core::records::{DownSource, RankDown, SCHEMA_VERSION};
 use rootrank_core::{time, Event, Index, Keys, Output, Reason};
 use rootrank_store::etcd_client::{Client, EventType, WatchOptions};
-use rootrank_store::{Backoff, LazyClient, Retained, RetainedWriter};
+use rootrank_store::{Backoff, LazyClient, Retained, RetainedWriter, Silence, SilenceAction, PROGRESS_EVERY};
 use tokio::sync::mpsc;
 use tracing::{debug, info, info_span, warn, Instrument};
 
@@ -197,12 +197,7 @@ fn release_freed_memory() {
     }
 }
 
-/// How often the watch asks etcd for a progress notification.
-const PROGRESS_EVERY: Duration = Duration::from_secs(1);
-
-/// How long etcd may stay silent (no event, no progress) before this replica stops calling
-/// itself current: the partition-detection bound, plus up to one `PROGRESS_EVERY`.
-pub const SILENT_LIMIT: Duration = Duration::from_secs(3);
+use rootrank_store::SILENT_LIMIT;
 
 enum WatchEnd {
     Compacted,
@@ -240,19 +235,22 @@ async fn watch(
         }
     };
     // A blackholed etcd (no reset, no error) would leave the stream silent for ever, and this
-    // replica answering as if current: ask for progress every second, and give the watch up
-    // (not ready) when etcd has said nothing for SILENT_LIMIT.
-    let mut tick = tokio::time::interval(PROGRESS_EVERY);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut last_heard = tokio::time::Instant::now();
+    // replica answering as if current: progress requests, and the watch given up (not ready)
+    // when etcd has said nothing for SILENT_LIMIT.
+    let mut silence = Silence::standard(Instant::now());
     loop {
         let next = tokio::select! {
             m = stream.message() => m,
-            _ = tick.tick() => {
-                if last_heard.elapsed() > SILENT_LIMIT {
-                    return WatchEnd::Broken(format!("etcd said nothing for {SILENT_LIMIT:?} (partitioned?)"));
+            _ = tokio::time::sleep_until(silence.poll_timeout().into()) => {
+                match silence.poll(Instant::now()) {
+                    SilenceAction::GiveUp => {
+                        return WatchEnd::Broken(format!("etcd said nothing for {SILENT_LIMIT:?} (partitioned?)"));
+                    }
+                    SilenceAction::RequestProgress => {
+                        let _ = tokio::time::timeout(PROGRESS_EVERY, requests.request_progress()).await;
+                    }
+                    SilenceAction::Wait => {}
                 }
-                let _ = tokio::time::timeout(PROGRESS_EVERY, requests.request_progress()).await;
                 continue;
             }
         };
@@ -261,7 +259,7 @@ async fn watch(
             Ok(None) => return WatchEnd::Broken("watch stream ended".into()),
             Err(e) => return WatchEnd::Broken(e.to_string()),
         };
-        last_heard = tokio::time::Instant::now();
+        silence.heard(Instant::now());
         if msg.compact_revision() > 0 {
             return WatchEnd::Compacted;
         }

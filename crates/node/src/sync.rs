@@ -4,15 +4,19 @@
 //! - A broken watch (etcd restart, member down) is re-created from the last seen revision
 //!   + 1, so nothing that happened meanwhile is missed.
 //! - A compacted start revision means events are lost: reload from a fresh snapshot.
+//! - A silent etcd (blackholed: no reset, no error) is noticed as the coordinator notices it
+//!   (`rootrank_store::Silence`: progress requests, the watch given up after
+//!   `SILENT_LIMIT`), and so is a watch etcd does not open within the request timeout:
+//!   the watch is re-created, on whichever endpoint answers, instead of staying blind.
 //!
 //! Only what the watchdog needs leaves this module, as [`SyncMsg`]s.
 
 use std::collections::HashSet;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use rootrank_core::{GroupId, Incarnation, KeyKind, Keys, Rank, RankLive, RankStall};
 use rootrank_store::etcd_client::{Client, EventType, WatchOptions};
-use rootrank_store::Backoff;
+use rootrank_store::{Backoff, Silence, SilenceAction, PROGRESS_EVERY, SILENT_LIMIT};
 use tokio::sync::mpsc;
 use tracing::{debug, info, warn};
 
@@ -157,6 +161,13 @@ pub(crate) async fn run(endpoints: Vec<String>, prefix: String, tx: mpsc::Unboun
                 debug!(why, "watch broke; re-creating from the last revision + 1");
                 tokio::time::sleep(backoff.next_pause()).await;
             }
+            End::Silent(last) => {
+                revision = Some(last);
+                warn!(
+                    silent_ms = SILENT_LIMIT.as_millis() as u64,
+                    "etcd said nothing on the watch (partitioned?); node-watch is blind until it re-creates the watch"
+                );
+            }
             End::Closed => return,
         }
     }
@@ -221,6 +232,8 @@ enum End {
     Compacted,
     /// Broken, with the last revision seen.
     Broken(i64, String),
+    /// etcd said nothing for `SILENT_LIMIT`, with the last revision seen.
+    Silent(i64),
     Closed,
 }
 
@@ -236,16 +249,40 @@ async fn watch(
         .with_start_revision(revision + 1)
         .with_prev_key()
         .with_progress_notify();
-    let mut stream = match client.watch(format!("{}/groups/", keys.prefix()), Some(opts)).await {
-        Ok(stream) => stream,
-        Err(e) => return End::Broken(revision, e.to_string()),
+    let created = tokio::time::timeout(
+        rootrank_store::REQUEST_TIMEOUT,
+        client.watch(format!("{}/groups/", keys.prefix()), Some(opts)),
+    )
+    .await;
+    let (mut requests, mut stream) = match created {
+        Ok(Ok(s)) => s.split(),
+        Ok(Err(e)) => return End::Broken(revision, e.to_string()),
+        Err(_) => {
+            let waited = rootrank_store::REQUEST_TIMEOUT;
+            return End::Broken(revision, format!("etcd did not open a watch within {waited:?}"));
+        }
     };
+    let mut silence = Silence::standard(Instant::now());
     loop {
-        let msg = match stream.message().await {
+        let next = tokio::select! {
+            m = stream.message() => m,
+            _ = tokio::time::sleep_until(silence.poll_timeout().into()) => {
+                match silence.poll(Instant::now()) {
+                    SilenceAction::GiveUp => return End::Silent(revision),
+                    SilenceAction::RequestProgress => {
+                        let _ = tokio::time::timeout(PROGRESS_EVERY, requests.request_progress()).await;
+                    }
+                    SilenceAction::Wait => {}
+                }
+                continue;
+            }
+        };
+        let msg = match next {
             Ok(Some(m)) => m,
             Ok(None) => return End::Broken(revision, "watch stream ended".into()),
             Err(e) => return End::Broken(revision, e.to_string()),
         };
+        silence.heard(Instant::now());
         if msg.compact_revision() > 0 {
             return End::Compacted;
         }

@@ -108,6 +108,47 @@ fn writes_failures_and_a_restarted_peer() {
         "{detail}"
     );
 
+    // A peer never connected is named as NIXL names a peer it has not loaded (the verdict's
+    // cause then follows it), never flattened into a caller's mistake; a region the peer never
+    // published is one (`other`), typed as such.
+    let room = random_room();
+    let stranger = PeerRef::new("decode-0", 7);
+    let err = prefill
+        .write_room(room, &stranger, 0, 0, 0, 0, 4096, b"x", Duration::from_secs(5))
+        .expect_err("never connected");
+    assert_eq!(err.reason, "nixl_error", "{err}");
+    assert!(
+        matches!(
+            err.error,
+            rootrank_transfer_agent::TransferAgentError::Transfer(
+                rootrank_transfer::TransferError::PeerNotLoaded { .. }
+            )
+        ),
+        "{:?}",
+        err.error
+    );
+    let rec = record(&ep, &rt, room);
+    assert_eq!(
+        (rec["origin"].as_str(), rec["reason"].as_str()),
+        (Some("local"), Some("nixl_error"))
+    );
+    assert_eq!(
+        (rec["peer"]["group"].as_str(), rec["peer"]["rank"].as_u64()),
+        (Some("decode-0"), Some(7))
+    );
+    let err = prefill
+        .write_room(random_room(), &peer, 0, 0, 9, 0, 4096, b"x", Duration::from_secs(5))
+        .expect_err("no region 9");
+    assert_eq!(err.reason, "other", "{err}");
+    assert!(
+        matches!(
+            err.error,
+            rootrank_transfer_agent::TransferAgentError::NoSuchRegion { index: 9, .. }
+        ),
+        "{:?}",
+        err.error
+    );
+
     // The peer exits cleanly (its lease is revoked, its nixl key goes with it): the next
     // WRITE fails and etcd confirms the disconnect.
     let old_name = decode.name().to_string();

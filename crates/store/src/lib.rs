@@ -17,9 +17,11 @@
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
 pub mod embedded;
 mod retained;
+mod silence;
 mod snapshot;
 
 pub use retained::{LazyClient, Retained, RetainedWriter, WriteError, Written};
+pub use silence::{Silence, SilenceAction, PROGRESS_EVERY, SILENT_LIMIT};
 pub use snapshot::{put_event, snapshot_pages, Plan, SnapshotStats, DEFAULT_READERS, PAGE};
 
 use std::time::{Duration, Instant};

@@ -58,19 +58,41 @@ pub enum TransferAgentError {
     EtcdSlow { key: String, waited_ms: u64 },
 }
 
+impl TransferAgentError {
+    /// The rootrank reason a room failure caused by this error is recorded with: a transfer
+    /// error's own (`nixl_error`, `transfer_timeout`, `peer_disconnect`); `other` for a
+    /// caller's or a configuration mistake (a region the peer never published, a record that
+    /// does not parse), which says nothing about the peer.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            TransferAgentError::Transfer(e) => e.reason(),
+            _ => "other",
+        }
+    }
+
+    /// The NIXL status name when NIXL returned one.
+    pub fn nixl_status(&self) -> Option<&str> {
+        match self {
+            TransferAgentError::Transfer(e) => e.nixl_status(),
+            _ => None,
+        }
+    }
+}
+
 /// A transfer for a room failed. It was recorded as a `local` RoomFailure (unless the
 /// agent's queue refused it, see `recorded`).
 #[derive(Debug, thiserror::Error)]
 #[error("{detail}")]
 pub struct RoomTransferError {
     pub room: u64,
-    /// The rootrank reason recorded (`nixl_error`, `transfer_timeout`, `peer_disconnect`).
+    /// The rootrank reason recorded (`nixl_error`, `transfer_timeout`, `peer_disconnect`;
+    /// `other` for a caller's mistake), from `error`'s type ([`TransferAgentError::reason`]).
     pub reason: &'static str,
     /// The recorded detail: SGLang's text, the NIXL status and the error.
     pub detail: String,
     pub peer: Peer,
     #[source]
-    pub error: TransferError,
+    pub error: TransferAgentError,
     /// Whether the agent accepted the record (it never blocks; a full queue drops it).
     pub recorded: bool,
 }

@@ -408,10 +408,16 @@ impl RankAgent {
         }
         let remote = match self.peer_region(peer, remote_region) {
             Ok(r) => r,
-            Err(e) => {
-                let err = TransferError::InvalidArgument(e.to_string());
-                return Err(self.record(room, peer, err));
+            // Never connected (or its metadata never came): what NIXL says of a peer it has
+            // not loaded, as `write_room_to` does; the peer is named, so a verdict's cause
+            // follows it to the peer's own death.
+            Err(TransferAgentError::PeerMissing { .. }) => {
+                let err = TransferError::PeerNotLoaded {
+                    peer: format!("{} rank {}", peer.group, peer.rank),
+                };
+                return Err(self.record(room, peer, err.into()));
             }
+            Err(e) => return Err(self.record(room, peer, e)),
         };
         self.write_room_to(
             room,
@@ -446,8 +452,12 @@ impl RankAgent {
         notification: &[u8],
         timeout: Duration,
     ) -> Result<TransferStats, Box<RoomTransferError>> {
-        let result = match (self.region_id(local_region), self.peers.get(peer)) {
-            (Ok(local), Some(p)) => {
+        let local = match self.region_id(local_region) {
+            Ok(local) => local,
+            Err(e) => return Err(self.record(room, peer, e)),
+        };
+        let result = match self.peers.get(peer) {
+            Some(p) => {
                 let name = p.agent.clone();
                 self.nixl.write(
                     &name,
@@ -460,8 +470,7 @@ impl RankAgent {
                     timeout,
                 )
             }
-            (Err(e), _) => Err(TransferError::InvalidArgument(e.to_string())),
-            (_, None) => Err(TransferError::PeerNotLoaded {
+            None => Err(TransferError::PeerNotLoaded {
                 peer: format!("{} rank {}", peer.group, peer.rank),
             }),
         };
@@ -471,7 +480,7 @@ impl RankAgent {
             } else {
                 err
             };
-            self.record(room, peer, err)
+            self.record(room, peer, err.into())
         })
     }
 
@@ -493,7 +502,7 @@ impl RankAgent {
         self.etcd_quiet_until.is_some_and(|t| Instant::now() < t)
     }
 
-    fn record(&mut self, room: u64, peer: &PeerRef, error: TransferError) -> Box<RoomTransferError> {
+    fn record(&mut self, room: u64, peer: &PeerRef, error: TransferAgentError) -> Box<RoomTransferError> {
         let reason = error.reason();
         let status = error.nixl_status().unwrap_or("");
         let info = self.peer_info(peer);
