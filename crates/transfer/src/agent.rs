@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use nixl_sys::{
     Agent, AgentConfig, Backend, MemType, MemoryRegion, NixlDescriptor, NixlError, NotificationMap, OptArgs,
-    RegistrationHandle, XferDescList, XferOp, XferStatus,
+    RegistrationHandle, XferDescList, XferOp, XferRequest, XferStatus,
 };
 use serde::{Deserialize, Serialize};
 
@@ -204,8 +204,13 @@ struct Region {
 /// Owns the DRAM regions it registers; peers are loaded from metadata bytes
 /// the caller exchanges (etcd, files, ...). All calls are synchronous.
 pub struct TransferAgent {
-    // Field order is drop order: regions are deregistered while the agent is
-    // alive; the agent (and its backend) go last.
+    // Field order is drop order: abandoned requests are released and regions
+    // deregistered while the agent is alive; the agent (and its backend) go
+    // last. `Drop` leaks instead what NIXL may still be reading.
+    /// WRITEs that timed out and were still in progress: kept, not released,
+    /// until NIXL says they settled (releasing an active request does not
+    /// make NIXL let go of its buffers; nixl-sys ignores the release status).
+    abandoned: Vec<XferRequest>,
     regions: Vec<Region>,
     peers: HashSet<String>,
     backend: Backend,
@@ -221,6 +226,24 @@ impl std::fmt::Debug for TransferAgent {
             .field("regions", &self.regions.len())
             .field("peers", &self.peers)
             .finish()
+    }
+}
+
+impl Drop for TransferAgent {
+    fn drop(&mut self) {
+        self.reap_abandoned();
+        if !self.abandoned.is_empty() {
+            // NIXL may still read these requests' local buffers (a peer that never came
+            // back): leak the requests, the regions and so the agent they hold, rather than
+            // free memory a transfer may read. Bounded: only what timed out and never settled.
+            tracing::warn!(
+                agent = %self.name,
+                transfers = self.abandoned.len(),
+                "dropping a NIXL agent with WRITEs still in progress; leaking their buffers"
+            );
+            std::mem::forget(std::mem::take(&mut self.abandoned));
+            std::mem::forget(std::mem::take(&mut self.regions));
+        }
     }
 }
 
@@ -273,6 +296,7 @@ impl TransferAgent {
             )
         })?;
         Ok(TransferAgent {
+            abandoned: Vec::new(),
             regions: Vec::new(),
             peers: HashSet::new(),
             backend,
@@ -447,9 +471,11 @@ impl TransferAgent {
     /// the peer once the data is there, and waits until it completes, fails
     /// or `timeout` passes.
     ///
-    /// On timeout the request is released (NIXL cancels what it can) and
-    /// [`TransferError::Timeout`] is returned; the remote range then holds
-    /// unspecified bytes, and the notification may or may not arrive later.
+    /// On timeout [`TransferError::Timeout`] is returned and the request is
+    /// kept until NIXL says it settled ([`TransferAgent::abandoned_transfers`]):
+    /// its local buffer stays valid while NIXL may still read it. The remote
+    /// range then holds unspecified bytes, and the notification may or may
+    /// not arrive later.
     ///
     /// Error classification: NIXL reports a dead peer only as
     /// `NIXL_ERR_BACKEND` from `post_xfer_req` / `get_xfer_status` (the
@@ -475,6 +501,7 @@ impl TransferAgent {
         notification: &[u8],
         timeout: Duration,
     ) -> Result<TransferStats, TransferError> {
+        self.reap_abandoned();
         if !self.peers.contains(peer) {
             return Err(TransferError::PeerNotLoaded { peer: peer.to_string() });
         }
@@ -545,7 +572,8 @@ impl TransferAgent {
                 Ok(XferStatus::InProgress) => {
                     let waited = start.elapsed();
                     if waited >= timeout {
-                        drop(req); // releases (cancels) the request
+                        // Not released: NIXL may still read the local buffer.
+                        self.abandoned.push(req);
                         return Err(TransferError::Timeout {
                             after_ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
                             peer: peer.to_string(),
@@ -564,6 +592,20 @@ impl TransferAgent {
             elapsed: start.elapsed(),
             bytes: len as u64,
         })
+    }
+
+    /// WRITEs that timed out and that NIXL has not settled yet (a stopped or
+    /// cut-off peer). Settled ones are released first.
+    pub fn abandoned_transfers(&mut self) -> usize {
+        self.reap_abandoned();
+        self.abandoned.len()
+    }
+
+    /// Releases the abandoned requests NIXL is done with (succeeded or failed).
+    fn reap_abandoned(&mut self) {
+        let agent = &self.agent;
+        self.abandoned
+            .retain(|req| matches!(agent.get_xfer_status(req), Ok(XferStatus::InProgress)));
     }
 
     fn transfer_error(&self, op: &'static str, err: &NixlError, peer: &str, len: usize) -> TransferError {

@@ -55,6 +55,11 @@ fn sigstop_of_receiver_times_out_without_hanging() {
     let small = agent.write(&name, src, 0, &remote, 0, 4096, b"small-while-stopped", timeout);
     eprintln!("4 KiB write to stopped peer: {small:?} after {:?}", t.elapsed());
     assert!(t.elapsed() < timeout + Duration::from_secs(1));
+    // The timed-out WRITEs are kept, not released, while NIXL may still read their buffer.
+    assert!(
+        agent.abandoned_transfers() >= 1,
+        "the 16 MiB write was released while in progress"
+    );
 
     // Resume: the peer works again and checks what a fresh write carries.
     try_signal(peer.pid(), libc::SIGCONT).expect("SIGCONT the peer");
@@ -65,8 +70,46 @@ fn sigstop_of_receiver_times_out_without_hanging() {
         .expect("write after SIGCONT");
     let line = peer.wait_log(&msg, Duration::from_secs(10));
     assert!(line.ends_with(" ok"), "{line}");
+    // The abandoned WRITEs settled once the peer ran again, and were released.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while agent.abandoned_transfers() > 0 {
+        assert!(
+            Instant::now() < deadline,
+            "abandoned WRITEs never settled after SIGCONT"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
     agent
         .write(&name, src, 0, &remote, 0, 1, b"quit", Duration::from_secs(10))
         .expect("quit");
     assert!(peer.finish(Duration::from_secs(10)).success());
+}
+
+/// An agent dropped while a WRITE into a stopped peer is still in progress: NIXL may still
+/// read the buffer, so the agent leaks it (and says so) instead of freeing it; nothing hangs
+/// or crashes, and the process goes on.
+#[test]
+fn dropping_an_agent_with_a_stuck_write_keeps_its_buffer_alive() {
+    let lib = load();
+    let tmp = tempfile::tempdir().expect("tempdir");
+    const LEN: usize = 16 << 20;
+    let mut peer = Peer::spawn(tmp.path(), "decode-rank3", LEN);
+    let mut agent = TransferAgent::new(&lib, "prefill-rank3").expect("agent");
+    let src = agent.register_dram(LEN).expect("register");
+    fill_region(&mut agent, src, 5);
+    let (name, remote) = peer.connect(&mut agent);
+    agent
+        .write(&name, src, 0, &remote, 0, LEN, b"warmup", Duration::from_secs(10))
+        .expect("warm-up write");
+    peer.wait_log("warmup", Duration::from_secs(10));
+    try_signal(peer.pid(), libc::SIGSTOP).expect("SIGSTOP the peer");
+    std::thread::sleep(Duration::from_millis(20));
+    let stuck = agent.write(&name, src, 0, &remote, 0, LEN, b"stuck", Duration::from_millis(300));
+    assert!(matches!(stuck, Err(TransferError::Timeout { .. })), "{stuck:?}");
+    assert_eq!(agent.abandoned_transfers(), 1);
+    drop(agent);
+    // A new agent in the same process works.
+    let mut again = TransferAgent::new(&lib, "prefill-rank3-again").expect("a new agent after the leak");
+    assert!(again.register_dram(4096).is_ok());
+    let _ = try_signal(peer.pid(), libc::SIGKILL);
 }
