@@ -225,6 +225,51 @@ def _fold(items, group):
     return ranks, rooms
 
 
+def test_a_room_resolved_on_a_victim_is_announced_when_its_window_ends(etcd, coordinator, tmp):
+    """A room whose only candidate is a victim (rule 7) resolves when the victim's window ends
+    (the slowest lease TTL + 1 s after its death): nothing is written to etcd then, yet the
+    stream announces it and a long poll on it returns, at that moment."""
+    g = "wait-victim"
+    room = 8_200_000_000_000_000_001
+    events = Events(coordinator.url, group=g)
+    agents = [rootrank.Agent(g, r, 2, etcd_endpoints=etcd.url, lease_ttl_ms=1000) for r in (0, 1)]
+    try:
+        for a in agents:
+            assert a.wait_registered(10) is not None
+        long_poll: dict = {}
+
+        def ask() -> None:
+            t0 = time.monotonic()
+            long_poll["verdict"] = coordinator.verdict(room, g, wait_ms=20_000)
+            long_poll["after_s"] = time.monotonic() - t0
+
+        agents[0].record_failure(room, "other", "Failed due to an unknown reason from another rank", origin="propagated")
+        agents[0].record_down("peer_lost", "gloo: Connection closed by peer")
+        assert agents[0].flush(5)
+        died = time.monotonic()
+        asker = threading.Thread(target=ask, daemon=True)
+        asker.start()
+
+        def resolved():
+            return next((e for e in events.items if e.get("event") == "resolved"
+                         and e["verdict"]["room"] == str(room)), None)
+
+        ev = wait_until(resolved, 15, "the room's resolved event")
+        seen_after = time.monotonic() - died
+        c = ev["verdict"]["culprit"]
+        assert (c["rank"], c["reason"]) == (0, "peer_lost"), ev
+        asker.join(20)
+        v = long_poll["verdict"]
+        assert v["status"] == "resolved" and v["culprit"]["rank"] == 0, v
+        assert long_poll["after_s"] < 15, long_poll  # not its 20 s wait
+        print(f"\nvictim-only room: resolved event {seen_after:.2f} s after the death (window: 1 s TTL + 1 s), "
+              f"long poll answered after {long_poll['after_s']:.2f} s")
+    finally:
+        events.close()
+        for a in agents:
+            a.shutdown(5)
+
+
 def test_events_resume_after_a_coordinator_restart_and_miss_nothing(etcd, coordinator, tmp):
     """A reader follows replica A; A is SIGKILLed; while it is down rank 1 fails (its own
     certificate), rank 2 registers and rank 0 fails a room because of rank 1. A restarts on

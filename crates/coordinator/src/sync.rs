@@ -239,8 +239,15 @@ async fn watch(
     // when etcd has said nothing for SILENT_LIMIT.
     let mut silence = Silence::standard(Instant::now());
     loop {
+        // A pending room whose window ends resolves (or not) with no new event: the index
+        // says when, and is asked again then.
+        let index_timeout = shared.index.read().ok().and_then(|i| i.poll_timeout());
         let next = tokio::select! {
             m = stream.message() => m,
+            _ = sleep_until_ms(index_timeout) => {
+                on_index_timeout(shared, cert_tx, logged);
+                continue;
+            }
             _ = tokio::time::sleep_until(silence.poll_timeout().into()) => {
                 match silence.poll(Instant::now()) {
                     SilenceAction::GiveUp => {
@@ -301,6 +308,35 @@ async fn watch(
         let rev = shared.index.read().map(|i| i.revision()).unwrap_or(0);
         shared.revision_tx.send_replace(rev);
     }
+}
+
+/// Sleeps until `at_ms` (unix ms), or for ever when there is nothing to wait for.
+async fn sleep_until_ms(at_ms: Option<i64>) {
+    match at_ms {
+        Some(at) => {
+            let ms = u64::try_from(at.saturating_sub(rootrank_store::unix_ms())).unwrap_or(0);
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+        }
+        None => std::future::pending().await,
+    }
+}
+
+/// The index's deadline came: rooms it decides now are announced (events, metrics) and the
+/// long polls woken, as for a new revision.
+fn on_index_timeout(shared: &Shared, cert_tx: &mpsc::UnboundedSender<Output>, logged: &mut HashSet<String>) {
+    let now = rootrank_store::unix_ms();
+    let outputs = {
+        let Ok(mut idx) = shared.index.write() else { return };
+        let outputs = idx.handle_timeout(now);
+        shared.events.append(&idx, &outputs, now);
+        outputs
+    };
+    if outputs.is_empty() {
+        return;
+    }
+    handle_outputs(shared, outputs, cert_tx, logged, true);
+    let rev = shared.index.read().map(|i| i.revision()).unwrap_or(0);
+    shared.revision_tx.send_replace(rev);
 }
 
 fn output_revision(o: &Output) -> i64 {

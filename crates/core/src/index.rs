@@ -282,6 +282,11 @@ pub struct Index {
     /// Rooms with records in a group and no verdict yet, re-checked when a death lands (in
     /// room order, so every replica emits the same outputs in the same order).
     pub(crate) unresolved: HashMap<GroupId, BTreeSet<RoomId>>,
+    /// When a pending room's window ends (observed-time ms, room): its verdict may then change
+    /// with no new event (a victim is named, or nothing will be), so the shell calls
+    /// [`Index::handle_timeout`] at [`Index::poll_timeout`]. Entries of rooms that resolved
+    /// meanwhile are dropped when their time comes.
+    pub(crate) timers: BTreeSet<(i64, RoomId)>,
     /// The most recently resolved rooms, by (revision, room): the revision at which the room
     /// had both its first record and its culprit, a function of etcd state, so replicas and
     /// a reloaded coordinator keep the same log. The root cause itself is derived when asked,
@@ -321,6 +326,7 @@ impl Index {
             endpoints: BTreeMap::new(),
             stalls: BTreeMap::new(),
             unresolved: HashMap::new(),
+            timers: BTreeSet::new(),
             root_causes: BTreeSet::new(),
             record_count: 0,
             interned_reasons: HashSet::new(),
@@ -1047,6 +1053,11 @@ impl Index {
         let resolved = match decision.summary(self, room) {
             Some(c) => c,
             None => {
+                if let crate::verdict::Decision::Pending { remaining_ms }
+                | crate::verdict::Decision::VictimPending { remaining_ms } = decision.last()
+                {
+                    self.timers.insert((now.saturating_add((*remaining_ms).max(1)), room));
+                }
                 if matches!(decision.last(), crate::verdict::Decision::Unknown) {
                     // Past the pending window only a local record can still resolve it, and
                     // that path re-checks on its own.
@@ -1089,6 +1100,33 @@ impl Index {
         while self.root_causes.len() > self.config.root_cause_log {
             self.root_causes.pop_first();
         }
+    }
+
+    /// The earliest observed-time (ms) at which a pending room's verdict may change without a
+    /// new etcd event (its pending or victim window ends); `None` when no room is pending.
+    pub fn poll_timeout(&self) -> Option<i64> {
+        self.timers.first().map(|(at, _)| *at)
+    }
+
+    /// Decides again every pending room whose window ended by `now_ms`: a room whose victim
+    /// is now the answer resolves (its `RoomResolved` at the current revision), one that only
+    /// a `local` record could still resolve stops being watched. Deterministic: the same
+    /// index and `now_ms` give the same outputs.
+    pub fn handle_timeout(&mut self, now_ms: i64) -> Vec<Output> {
+        let mut out = Vec::new();
+        if self.loading_now_ms.is_some() {
+            return out; // a snapshot decides its rooms when it is complete
+        }
+        while let Some(&(at, room)) = self.timers.first() {
+            if at > now_ms {
+                break;
+            }
+            self.timers.pop_first();
+            if self.rooms.get(&room).is_some_and(|e| !e.resolved) {
+                self.recheck_room(room, self.revision, now_ms, &mut out);
+            }
+        }
+        out
     }
 
     /// A room whose records only report a peer's failure (rule 7) resolves when a death lands

@@ -614,6 +614,55 @@ fn rule7_a_victim_alone_is_named_once_nothing_else_can_show_up_and_stays_named()
     assert_eq!((c.rank, c.reason.as_str()), (2, "peer_lost"));
 }
 
+#[test]
+fn a_room_resolved_by_time_is_announced_at_its_deadline_without_a_new_event() {
+    // A victim is named only once its window passed: nothing in etcd changes then, so the
+    // index says when (`poll_timeout`) and announces it when the shell calls back.
+    let mut w = World::new();
+    group_of_four(&mut w);
+    w.record(G, 2, 63, "propagated", "other");
+    w.certify(G, 2, "peer_lost", "agent");
+    let deadline = w.index.poll_timeout().expect("a pending room has a deadline");
+    assert_eq!(
+        deadline,
+        w.now + 6_000,
+        "the slowest TTL (5 s) + 1 s after the victim's death"
+    );
+    assert!(
+        w.index.handle_timeout(deadline - 1).is_empty(),
+        "nothing before the deadline"
+    );
+    let revision = w.index.revision();
+    let out = w.index.handle_timeout(deadline);
+    let resolved: Vec<_> = out
+        .iter()
+        .filter_map(|o| match o {
+            Output::RoomResolved {
+                room,
+                rank,
+                reason,
+                revision,
+                ..
+            } => Some((room.get(), *rank, reason.as_str().to_string(), *revision)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(resolved, vec![(63, 2, "peer_lost".to_string(), revision)]);
+    assert_eq!(w.index.poll_timeout(), None, "nothing left pending");
+    assert!(w.index.handle_timeout(deadline + 10_000).is_empty(), "announced once");
+
+    // A room nobody can resolve any more (no candidate at all) just stops being pending.
+    let mut w = World::new();
+    group_of_four(&mut w);
+    w.record(G, 1, 64, "propagated", "other");
+    let deadline = w.index.poll_timeout().expect("pending");
+    let out = w.index.handle_timeout(deadline);
+    assert!(!out.iter().any(|o| matches!(o, Output::RoomResolved { .. })), "{out:?}");
+    assert_eq!(w.index.poll_timeout(), None);
+    w.now = deadline;
+    assert_eq!(w.verdict(64, None).status, Status::Unknown);
+}
+
 /// A prefill rank that publishes the bootstrap endpoint decode knows it by.
 fn register_prefill(w: &mut World, g: &str, r: u32, size: u32, endpoint: &str) {
     w.register(g, r, size, 5000);
