@@ -248,8 +248,14 @@ pub(crate) struct RoomEntry {
 
 #[derive(Clone, Debug, Default)]
 pub(crate) struct GroupInfo {
+    /// `group_size` of the group's newest live record by etcd revision (`size_revision`) and
+    /// `role` of its newest live record that names one (`role_revision`): not of whichever
+    /// record was applied last, which a snapshot read in parallel parts would make depend on
+    /// page order.
     pub(crate) group_size: Option<u32>,
     pub(crate) role: Option<String>,
+    pub(crate) size_revision: i64,
+    pub(crate) role_revision: i64,
     pub(crate) max_lease_ttl_ms: Option<i64>,
 }
 
@@ -649,8 +655,12 @@ impl Index {
         out: &mut Vec<Output>,
     ) {
         let info = self.groups.entry(group.clone()).or_default();
-        info.group_size = Some(rec.group_size);
-        if rec.role.is_some() {
+        if revision >= info.size_revision {
+            info.size_revision = revision;
+            info.group_size = Some(rec.group_size);
+        }
+        if rec.role.is_some() && revision >= info.role_revision {
+            info.role_revision = revision;
             info.role.clone_from(&rec.role);
         }
         if let Some(ttl) = rec.lease_ttl_ms {
@@ -874,6 +884,12 @@ impl Index {
                         victim,
                     },
                 );
+                // A death this index learns only now although etcd saw it earlier (a reload
+                // between a vanished key and its certificate saw neither): a resolved room may
+                // now name it, so its place in the root-cause log moves with it.
+                if first_seen < revision && self.loading_now_ms.is_none() {
+                    self.relog_root_causes();
+                }
             }
         }
         self.groups.entry(group.clone()).or_default();
@@ -1099,6 +1115,23 @@ impl Index {
         self.root_causes.insert((log_revision, room));
         while self.root_causes.len() > self.config.root_cause_log {
             self.root_causes.pop_first();
+        }
+    }
+
+    /// Puts every logged root cause at the key its culprit has now (`log_revision`), so the
+    /// log stays ordered as `recent_failures` reads it. Bounded by the log's size; only needed
+    /// when a death from the past becomes known late.
+    fn relog_root_causes(&mut self) {
+        let logged: Vec<(i64, RoomId)> = self.root_causes.iter().copied().collect();
+        for (old, room) in logged {
+            let new = self.log_revision(room);
+            if new != old {
+                self.root_causes.remove(&(old, room));
+                self.root_causes.insert((new, room));
+                if let Some(e) = self.rooms.get_mut(&room) {
+                    e.root_cause_revision = Some(new);
+                }
+            }
         }
     }
 

@@ -145,7 +145,12 @@ impl Index {
             .chain(self.deaths_of(group).map(|((_, r, _), _)| r + 1))
             .max()
             .unwrap_or(0);
-        let group_size = info.group_size.unwrap_or(known_max).max(known_max);
+        let group_size = self
+            .live_shape(group)
+            .0
+            .or(info.group_size)
+            .unwrap_or(known_max)
+            .max(known_max);
         let ranks = (0..group_size).map(|rank| self.rank_view(group, rank)).collect();
         Some(GroupView {
             group: group.clone(),
@@ -241,8 +246,8 @@ impl Index {
     /// All groups at a glance (`GET /v1/groups`).
     pub fn groups(&self) -> Vec<GroupSummary> {
         self.groups
-            .iter()
-            .filter_map(|(g, info)| {
+            .keys()
+            .filter_map(|g| {
                 let view = self.group(g)?;
                 let count = |k: RankStateKind| view.ranks.iter().filter(|r| r.state == k).count() as u32;
                 Some(GroupSummary {
@@ -252,7 +257,7 @@ impl Index {
                     down: count(RankStateKind::Down),
                     missing: count(RankStateKind::Missing),
                     stalled: count(RankStateKind::Stalled),
-                    role: info.role.clone(),
+                    role: self.group_role(g).map(str::to_string),
                 })
             })
             .collect()
@@ -490,7 +495,31 @@ impl Index {
 
     /// The role its ranks registered with (`prefill`, `decode`), when they said.
     pub fn group_role(&self, group: &GroupId) -> Option<&str> {
-        self.groups.get(group).and_then(|g| g.role.as_deref())
+        self.live_shape(group)
+            .1
+            .or_else(|| self.groups.get(group).and_then(|g| g.role.as_deref()))
+    }
+
+    /// `group_size` of the group's newest live incarnation (by registration revision) and the
+    /// role of the newest that names one: a function of the live records etcd holds now, so a
+    /// replica that watched and one that loaded agree when ranks disagree (a misconfigured
+    /// restart). `None`s when no rank is live (then the group's last known values count).
+    fn live_shape(&self, group: &GroupId) -> (Option<u32>, Option<&str>) {
+        let mut size: Option<(i64, u32)> = None;
+        let mut role: Option<(i64, &str)> = None;
+        for (_, state) in self.ranks.range((group.clone(), 0)..=(group.clone(), Rank::MAX)) {
+            let Some(live) = &state.live else { continue };
+            let at = live.registered_revision;
+            if size.is_none_or(|(r, _)| at > r) {
+                size = Some((at, live.record.group_size));
+            }
+            if let Some(name) = live.record.role.as_deref() {
+                if role.is_none_or(|(r, _)| at > r) {
+                    role = Some((at, name));
+                }
+            }
+        }
+        (size.map(|(_, s)| s), role.map(|(_, r)| r))
     }
 
     /// Whether a group was ever seen (live record, death or room record).

@@ -663,6 +663,42 @@ fn a_room_resolved_by_time_is_announced_at_its_deadline_without_a_new_event() {
     assert_eq!(w.verdict(64, None).status, Status::Unknown);
 }
 
+#[test]
+fn group_size_and_role_come_from_the_newest_live_records_whatever_the_read_order() {
+    // Ranks of one group that disagree (a misconfigured restart): the group's size is the
+    // newest live record's and its role the newest that names one, by etcd revision, on a
+    // replica that watched and on ones that loaded the same keys in any order (a snapshot read
+    // in parallel parts applies pages in no fixed order).
+    let mut w = World::new();
+    let g = "mixed-0";
+    let put = |w: &mut World, r: u32, size: u32, role: Option<&str>| {
+        w.register(g, r, size, 5000);
+        let lease = w.incarnation(g, r);
+        let mut v = serde_json::json!({"v":1,"group":g,"rank":r,"group_size":size,"host":"host-a","pid":2000 + r,
+            "lease_ttl_ms":5000,"started_at":rootrank_core::time::format_ms(w.now)});
+        if let Some(role) = role {
+            v["role"] = role.into();
+        }
+        w.put_raw(&key_live(g, r), v.to_string().into_bytes(), lease);
+    };
+    put(&mut w, 0, 2, Some("prefill"));
+    put(&mut w, 1, 4, Some("decode"));
+    put(&mut w, 2, 3, None);
+    let id = rootrank_core::GroupId::new(g).unwrap();
+    let summary = |idx: &rootrank_core::Index| {
+        let s = idx.groups().into_iter().find(|s| s.group == id).expect("the group");
+        (s.group_size, s.role)
+    };
+    let watched = summary(&w.index);
+    assert_eq!(watched, (3, Some("decode".to_string())));
+    let events = snapshot_events(&w);
+    for order in [events.clone(), events.iter().rev().cloned().collect::<Vec<_>>()] {
+        let mut idx = rootrank_core::Index::new(rootrank_core::IndexConfig::default());
+        idx.load_snapshot(order, w.rev);
+        assert_eq!(summary(&idx), watched);
+    }
+}
+
 /// A prefill rank that publishes the bootstrap endpoint decode knows it by.
 fn register_prefill(w: &mut World, g: &str, r: u32, size: u32, endpoint: &str) {
     w.register(g, r, size, 5000);
