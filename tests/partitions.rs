@@ -94,6 +94,26 @@ impl Drop for Netns {
     }
 }
 
+/// An etcd listening on loopback (the host's processes) and on the namespace's veth (its
+/// processes): (etcd, its client port, its directory, for the test's logs too).
+fn etcd_for(ns: &Netns) -> (EmbeddedEtcd, u16, tempfile::TempDir) {
+    let port = free_port().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let etcd = EmbeddedEtcd::start(
+        dir.path(),
+        &EtcdOptions {
+            client_port: port,
+            extra_args: vec![
+                "--listen-client-urls".into(),
+                format!("http://127.0.0.1:{port},http://{}:{port}", ns.host_ip),
+            ],
+            ..EtcdOptions::default()
+        },
+    )
+    .unwrap();
+    (etcd, port, dir)
+}
+
 struct Killed(Child);
 impl Drop for Killed {
     fn drop(&mut self) {
@@ -139,21 +159,7 @@ async fn ready(url: &str, timeout: Duration) {
 async fn a_partitioned_replica_says_not_current_and_recovers_and_a_partitioned_rank_loses_nothing() {
     require_root("partitions", "network namespaces and nftables");
     let ns = Netns::create(0);
-    // etcd listens on loopback (the host's processes) and on the veth (the namespace's).
-    let port = free_port().unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let etcd = EmbeddedEtcd::start(
-        dir.path(),
-        &EtcdOptions {
-            client_port: port,
-            extra_args: vec![
-                "--listen-client-urls".into(),
-                format!("http://127.0.0.1:{port},http://{}:{port}", ns.host_ip),
-            ],
-            ..EtcdOptions::default()
-        },
-    )
-    .unwrap();
+    let (etcd, port, dir) = etcd_for(&ns);
     let host_ep = etcd.endpoint();
     let ns_ep = format!("http://{}:{port}", ns.host_ip);
 
@@ -310,20 +316,7 @@ async fn a_partitioned_replica_says_not_current_and_recovers_and_a_partitioned_r
 async fn a_blackholed_node_watch_says_it_is_blind_and_catches_up_at_the_heal() {
     require_root("partitions", "network namespaces and nftables");
     let ns = Netns::create(1);
-    let port = free_port().unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let etcd = EmbeddedEtcd::start(
-        dir.path(),
-        &EtcdOptions {
-            client_port: port,
-            extra_args: vec![
-                "--listen-client-urls".into(),
-                format!("http://127.0.0.1:{port},http://{}:{port}", ns.host_ip),
-            ],
-            ..EtcdOptions::default()
-        },
-    )
-    .unwrap();
+    let (etcd, port, dir) = etcd_for(&ns);
     let host_ep = etcd.endpoint();
     let log = dir.path().join("node-watch.log");
     let _node_watch = Killed(

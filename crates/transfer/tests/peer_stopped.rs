@@ -8,15 +8,22 @@ use std::time::{Duration, Instant};
 
 use common::{fill_region, fnv1a64, load, Peer};
 use rootrank_testkit::try_signal;
-use rootrank_transfer::{TransferAgent, TransferError};
+use rootrank_transfer::{RegionId, RemoteRegion, TransferAgent, TransferError};
 
-#[test]
-fn sigstop_of_receiver_times_out_without_hanging() {
-    let lib = load();
-    let tmp = tempfile::tempdir().expect("tempdir");
-    const LEN: usize = 16 << 20;
-    let mut peer = Peer::spawn(tmp.path(), "decode-rank2", LEN);
-    let mut agent = TransferAgent::new(&lib, "prefill-rank2").expect("agent");
+const LEN: usize = 16 << 20;
+
+/// A receiving peer that took one write and was then SIGSTOPped, and the agent writing to it.
+struct Stopped {
+    peer: Peer,
+    agent: TransferAgent,
+    src: RegionId,
+    name: String,
+    remote: RemoteRegion,
+}
+
+fn stopped_peer(lib: &rootrank_transfer::NixlLibrary, tmp: &tempfile::TempDir, rank: u32) -> Stopped {
+    let mut peer = Peer::spawn(tmp.path(), &format!("decode-rank{rank}"), LEN);
+    let mut agent = TransferAgent::new(lib, &format!("prefill-rank{rank}")).expect("agent");
     let src = agent.register_dram(LEN).expect("register");
     fill_region(&mut agent, src, 3);
     let (name, remote) = peer.connect(&mut agent);
@@ -24,10 +31,29 @@ fn sigstop_of_receiver_times_out_without_hanging() {
         .write(&name, src, 0, &remote, 0, LEN, b"warmup", Duration::from_secs(10))
         .expect("warm-up write");
     peer.wait_log("warmup", Duration::from_secs(10));
-
     try_signal(peer.pid(), libc::SIGSTOP).expect("SIGSTOP the peer");
     // Give the stop a moment to land before posting.
     std::thread::sleep(Duration::from_millis(20));
+    Stopped {
+        peer,
+        agent,
+        src,
+        name,
+        remote,
+    }
+}
+
+#[test]
+fn sigstop_of_receiver_times_out_without_hanging() {
+    let lib = load();
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let Stopped {
+        mut peer,
+        mut agent,
+        src,
+        name,
+        remote,
+    } = stopped_peer(&lib, &tmp, 2);
 
     let timeout = Duration::from_millis(300);
     let t = Instant::now();
@@ -92,18 +118,13 @@ fn sigstop_of_receiver_times_out_without_hanging() {
 fn dropping_an_agent_with_a_stuck_write_keeps_its_buffer_alive() {
     let lib = load();
     let tmp = tempfile::tempdir().expect("tempdir");
-    const LEN: usize = 16 << 20;
-    let mut peer = Peer::spawn(tmp.path(), "decode-rank3", LEN);
-    let mut agent = TransferAgent::new(&lib, "prefill-rank3").expect("agent");
-    let src = agent.register_dram(LEN).expect("register");
-    fill_region(&mut agent, src, 5);
-    let (name, remote) = peer.connect(&mut agent);
-    agent
-        .write(&name, src, 0, &remote, 0, LEN, b"warmup", Duration::from_secs(10))
-        .expect("warm-up write");
-    peer.wait_log("warmup", Duration::from_secs(10));
-    try_signal(peer.pid(), libc::SIGSTOP).expect("SIGSTOP the peer");
-    std::thread::sleep(Duration::from_millis(20));
+    let Stopped {
+        peer,
+        mut agent,
+        src,
+        name,
+        remote,
+    } = stopped_peer(&lib, &tmp, 3);
     let stuck = agent.write(&name, src, 0, &remote, 0, LEN, b"stuck", Duration::from_millis(300));
     assert!(matches!(stuck, Err(TransferError::Timeout { .. })), "{stuck:?}");
     assert_eq!(agent.abandoned_transfers(), 1);
