@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use rootrank_core::Verdict;
 use serde_json::Value;
 
 use super::client::Api;
@@ -52,70 +53,95 @@ fn urlencode(s: &str) -> String {
         .collect()
 }
 
-/// One short paragraph: what happened, to whom, what to do.
+/// One short paragraph: what happened, to whom, what to do. The API's JSON is read as the
+/// core's own `Verdict` (the type the coordinator serializes), so a field the two disagree on
+/// is a compile error or a clear one here, never a silently empty line.
 pub fn render(v: &Value) -> String {
-    let s = |x: &Value| x.as_str().map(str::to_string).unwrap_or_else(|| x.to_string());
-    let mut out = format!("room {}: {} -> {}\n", s(&v["room"]), s(&v["status"]), s(&v["action"]));
-    if let Some(c) = v["culprit"].as_object() {
-        let mut who = format!("  culprit: {} rank {}", s(&c["group"]), s(&c["rank"]));
-        if let Some(pid) = c.get("pid").and_then(Value::as_u64) {
+    match serde_json::from_value::<Verdict>(v.clone()) {
+        Ok(verdict) => render_verdict(&verdict),
+        Err(e) => format!(
+            "room {}: the coordinator's verdict could not be read ({e}); is it a different rootrank version? \
+             `--json` prints it as it came\n",
+            v["room"].as_str().unwrap_or("?")
+        ),
+    }
+}
+
+/// [`render`] for a typed verdict.
+pub fn render_verdict(v: &Verdict) -> String {
+    let mut out = format!("room {}: {} -> {}\n", v.room, v.status.as_str(), v.action.as_str());
+    if let Some(c) = &v.culprit {
+        let mut who = format!("  culprit: {} rank {}", c.group, c.rank);
+        if let Some(pid) = c.pid {
             who.push_str(&format!(" (pid {pid}"));
-            if let Some(h) = c.get("host").and_then(Value::as_str) {
+            if let Some(h) = &c.host {
                 who.push_str(&format!(" on {h}"));
             }
             who.push(')');
         }
-        out.push_str(&format!(
-            "{who}\n  reason:  {} (from {})\n",
-            s(&c["reason"]),
-            s(&c["source"])
-        ));
-        if let Some(d) = c.get("detail").and_then(Value::as_str).filter(|d| !d.is_empty()) {
-            out.push_str(&format!("  detail:  {}\n", d.lines().next().unwrap_or("")));
+        out.push_str(&format!("{who}\n  reason:  {} (from {})\n", c.reason, c.source));
+        if !c.detail.is_empty() {
+            out.push_str(&format!("  detail:  {}\n", first_line(&c.detail)));
         }
-        if let Some(n) = c.get("repeat").and_then(Value::as_u64).filter(|n| *n > 1) {
-            out.push_str(&format!("  repeat:  failed {n} times in the retention window\n"));
+        if c.repeat > 1 {
+            out.push_str(&format!(
+                "  repeat:  failed {} times in the retention window\n",
+                c.repeat
+            ));
         }
     }
-    // The cause's traceback says more than the culprit's, when there is one.
-    let root = v["cause"].as_object().or(v["culprit"].as_object());
-    if let Some(k) = v["cause"].as_object() {
+    if let Some(k) = &v.cause {
         out.push_str(&format!(
             "  cause:   {} rank {}: {} (from {})",
-            s(&k["group"]),
-            s(&k["rank"]),
-            s(&k["reason"]),
-            s(&k["source"])
+            k.group, k.rank, k.reason, k.source
         ));
-        if let Some(d) = k.get("detail").and_then(Value::as_str).filter(|d| !d.is_empty()) {
-            out.push_str(&format!(": {}", d.lines().next().unwrap_or("")));
+        if !k.detail.is_empty() {
+            out.push_str(&format!(": {}", first_line(&k.detail)));
         }
         out.push('\n');
     }
     // Rule 7: the ranks that died only because a peer vanished, so nobody restarts them first.
-    if let Some(victims) = v["victims"].as_array().filter(|a| !a.is_empty()) {
-        let who: Vec<String> = victims
+    if !v.victims.is_empty() {
+        let who: Vec<String> = v
+            .victims
             .iter()
-            .map(|x| format!("{} rank {}", s(&x["group"]), s(&x["rank"])))
+            .map(|x| format!("{} rank {}", x.group, x.rank))
             .collect();
         out.push_str(&format!(
             "  victims: {} (died because a peer vanished)\n",
             who.join(", ")
         ));
     }
-    if let Some(tail) = root
-        .and_then(|c| c.get("log_tail"))
-        .and_then(Value::as_array)
-        .filter(|t| !t.is_empty())
-    {
+    // The cause's traceback says more than the culprit's, when there is one.
+    let root = v.cause.as_ref().or(v.culprit.as_ref());
+    if let Some(tail) = root.and_then(|c| c.log_tail.as_ref()).filter(|t| !t.is_empty()) {
         out.push_str("  last log lines:\n");
-        for l in tail.iter().rev().take(8).collect::<Vec<_>>().into_iter().rev() {
-            out.push_str(&format!("    | {}\n", l.as_str().unwrap_or("")));
+        for l in &tail[tail.len().saturating_sub(8)..] {
+            out.push_str(&format!("    | {l}\n"));
         }
     }
-    out.push_str(&format!("  {}\n", s(&v["explain"])));
-    if let Some(a) = v["advice"].as_str() {
+    out.push_str(&format!("  {}\n", v.explain));
+    if let Some(a) = &v.advice {
         out.push_str(&format!("  advice:  {a}\n"));
     }
     out
+}
+
+fn first_line(s: &str) -> &str {
+    s.lines().next().unwrap_or("")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_verdict_it_cannot_read_says_so_instead_of_printing_blanks() {
+        let out = render(&serde_json::json!({"room": "5", "status": "resolved"}));
+        assert!(
+            out.starts_with("room 5: the coordinator's verdict could not be read ("),
+            "{out}"
+        );
+        assert!(out.contains("--json"), "{out}");
+    }
 }

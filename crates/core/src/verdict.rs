@@ -23,7 +23,7 @@
 
 use std::collections::BTreeSet;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::ids::{GroupId, Incarnation, Rank, Reason, RoomId};
 use crate::index::{Death, DeathEvidence, Index, RoomRecord};
@@ -42,7 +42,7 @@ pub struct VerdictQuery {
     pub now_ms: i64,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Status {
     Resolved,
@@ -60,7 +60,7 @@ impl Status {
     }
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Action {
     Abort,
@@ -68,8 +68,19 @@ pub enum Action {
     Wait,
 }
 
+impl Action {
+    /// The JSON name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Action::Abort => "abort",
+            Action::AbortAndRestartGroup => "abort_and_restart_group",
+            Action::Wait => "wait",
+        }
+    }
+}
+
 /// Where a verdict learned its culprit from (`culprit.source` in SPEC section 5).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum CulpritSource {
     /// A rank's own room failure record.
@@ -98,7 +109,7 @@ impl std::fmt::Display for CulpritSource {
 }
 
 /// What a piece of a verdict's evidence is (`evidence[].kind` in SPEC section 5).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum EvidenceKind {
     RoomRecord,
@@ -108,7 +119,7 @@ pub enum EvidenceKind {
 }
 
 /// The rank that really failed the room.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Culprit {
     pub group: GroupId,
     pub rank: Rank,
@@ -128,14 +139,14 @@ pub struct Culprit {
 }
 
 /// A peer as a verdict shows it.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct PeerRef {
     pub group: Option<GroupId>,
     pub rank: Option<Rank>,
     pub agent: Option<String>,
 }
 
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Evidence {
     pub group: GroupId,
     pub rank: Rank,
@@ -146,7 +157,7 @@ pub struct Evidence {
     pub revision: i64,
 }
 
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Verdict {
     pub room: RoomId,
     pub status: Status,
@@ -165,7 +176,7 @@ pub struct Verdict {
 }
 
 /// A rank that died because a peer of its collective vanished (rule 7).
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Victim {
     pub group: GroupId,
     pub rank: Rank,
@@ -173,7 +184,7 @@ pub struct Victim {
 }
 
 /// The answer for schedulers in a hot path (`?view=compact`, ~200 bytes).
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct CompactVerdict {
     pub room: RoomId,
     pub status: Status,
@@ -183,7 +194,7 @@ pub struct CompactVerdict {
     pub revision: i64,
 }
 
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct CompactCulprit {
     pub group: GroupId,
     pub rank: Rank,
@@ -192,7 +203,7 @@ pub struct CompactCulprit {
     pub incarnation: Option<Incarnation>,
 }
 
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct CompactCause {
     pub group: GroupId,
     pub rank: Rank,
