@@ -102,7 +102,11 @@ def test_rank_holding_the_gil_for_three_ttls_stays_live(etcd, coordinator, tmp):
         states.append(coordinator.rank_state("py-gil", 0))
         time.sleep(0.1)
     assert "released" not in log.read_text().split("holding", 1)[0]
-    assert states and all(s == "live" for s in states), states
+    # The coordinator may apply the registration a moment after the rank printed "holding"
+    # (a loaded machine): until then it knows no such group. After that, live throughout.
+    while states and states[0] is None:
+        states.pop(0)
+    assert len(states) >= 10 and all(s == "live" for s in states), states
     assert p.wait(30) == 0, log.read_text()
     assert not [k for k, _ in etcd.get_prefix("/rootrank/v1/groups/py-gil/ranks/0/down/")]
 
