@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use rootrank_core::records::{DownSource, RankDown, SCHEMA_VERSION};
 use rootrank_core::{time, Event, Index, Keys, Output, Reason};
 use rootrank_store::etcd_client::{Client, EventType, WatchOptions};
-use rootrank_store::{Backoff, LazyClient, Retained, RetainedWriter, Silence, SilenceAction, PROGRESS_EVERY};
+use rootrank_store::{Backoff, LazyClient, Retained, RetainedWriter, Silence, SILENT_LIMIT};
 use tokio::sync::mpsc;
 use tracing::{debug, info, info_span, warn, Instrument};
 
@@ -197,8 +197,6 @@ fn release_freed_memory() {
     }
 }
 
-use rootrank_store::SILENT_LIMIT;
-
 enum WatchEnd {
     Compacted,
     Broken(String),
@@ -248,15 +246,9 @@ async fn watch(
                 on_index_timeout(shared, cert_tx, logged);
                 continue;
             }
-            _ = tokio::time::sleep_until(silence.poll_timeout().into()) => {
-                match silence.poll(Instant::now()) {
-                    SilenceAction::GiveUp => {
-                        return WatchEnd::Broken(format!("etcd said nothing for {SILENT_LIMIT:?} (partitioned?)"));
-                    }
-                    SilenceAction::RequestProgress => {
-                        let _ = tokio::time::timeout(PROGRESS_EVERY, requests.request_progress()).await;
-                    }
-                    SilenceAction::Wait => {}
+            silent = rootrank_store::tend_silence(&mut silence, &mut requests) => {
+                if silent {
+                    return WatchEnd::Broken(format!("etcd said nothing for {SILENT_LIMIT:?} (partitioned?)"));
                 }
                 continue;
             }
@@ -325,18 +317,17 @@ async fn sleep_until_ms(at_ms: Option<i64>) {
 /// long polls woken, as for a new revision.
 fn on_index_timeout(shared: &Shared, cert_tx: &mpsc::UnboundedSender<Output>, logged: &mut HashSet<String>) {
     let now = rootrank_store::unix_ms();
-    let outputs = {
+    let (outputs, revision) = {
         let Ok(mut idx) = shared.index.write() else { return };
         let outputs = idx.handle_timeout(now);
         shared.events.append(&idx, &outputs, now);
-        outputs
+        (outputs, idx.revision())
     };
     if outputs.is_empty() {
         return;
     }
     handle_outputs(shared, outputs, cert_tx, logged, true);
-    let rev = shared.index.read().map(|i| i.revision()).unwrap_or(0);
-    shared.revision_tx.send_replace(rev);
+    shared.revision_tx.send_replace(revision);
 }
 
 fn output_revision(o: &Output) -> i64 {

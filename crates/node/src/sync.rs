@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use rootrank_core::{GroupId, Incarnation, KeyKind, Keys, Rank, RankLive, RankStall};
 use rootrank_store::etcd_client::{Client, EventType, WatchOptions};
-use rootrank_store::{Backoff, Silence, SilenceAction, PROGRESS_EVERY, SILENT_LIMIT};
+use rootrank_store::{Backoff, Silence, SILENT_LIMIT};
 use tokio::sync::mpsc;
 use tracing::{debug, info, warn};
 
@@ -266,13 +266,9 @@ async fn watch(
     loop {
         let next = tokio::select! {
             m = stream.message() => m,
-            _ = tokio::time::sleep_until(silence.poll_timeout().into()) => {
-                match silence.poll(Instant::now()) {
-                    SilenceAction::GiveUp => return End::Silent(revision),
-                    SilenceAction::RequestProgress => {
-                        let _ = tokio::time::timeout(PROGRESS_EVERY, requests.request_progress()).await;
-                    }
-                    SilenceAction::Wait => {}
+            silent = rootrank_store::tend_silence(&mut silence, &mut requests) => {
+                if silent {
+                    return End::Silent(revision);
                 }
                 continue;
             }

@@ -22,6 +22,22 @@ mod snapshot;
 
 pub use retained::{LazyClient, Retained, RetainedWriter, WriteError, Written};
 pub use silence::{Silence, SilenceAction, PROGRESS_EVERY, SILENT_LIMIT};
+
+/// The I/O side of [`Silence`] for one watch: sleeps until its deadline and acts on it (asks
+/// etcd for a progress notification, at most `PROGRESS_EVERY` of waiting). `true` when etcd
+/// said nothing for `SILENT_LIMIT` and the watch is to be given up. Both followers race it
+/// against the watch stream (`tokio::select!`) and tell `silence` of every message.
+pub async fn tend_silence(silence: &mut Silence, requests: &mut etcd_client::WatchRequestSender) -> bool {
+    tokio::time::sleep_until(silence.poll_timeout().into()).await;
+    match silence.poll(std::time::Instant::now()) {
+        SilenceAction::GiveUp => true,
+        SilenceAction::RequestProgress => {
+            let _ = tokio::time::timeout(PROGRESS_EVERY, requests.request_progress()).await;
+            false
+        }
+        SilenceAction::Wait => false,
+    }
+}
 pub use snapshot::{put_event, snapshot_pages, Plan, SnapshotStats, DEFAULT_READERS, PAGE};
 
 use std::time::{Duration, Instant};

@@ -412,10 +412,7 @@ impl RankAgent {
             // not loaded, as `write_room_to` does; the peer is named, so a verdict's cause
             // follows it to the peer's own death.
             Err(TransferAgentError::PeerMissing { .. }) => {
-                let err = TransferError::PeerNotLoaded {
-                    peer: format!("{} rank {}", peer.group, peer.rank),
-                };
-                return Err(self.record(room, peer, err.into()));
+                return Err(self.record(room, peer, not_loaded(peer).into()));
             }
             Err(e) => return Err(self.record(room, peer, e)),
         };
@@ -470,9 +467,7 @@ impl RankAgent {
                     timeout,
                 )
             }
-            None => Err(TransferError::PeerNotLoaded {
-                peer: format!("{} rank {}", peer.group, peer.rank),
-            }),
+            None => Err(not_loaded(peer)),
         };
         result.map_err(|err| {
             let err = if err.is_transfer_failure() && self.peer_gone(peer) {
@@ -547,5 +542,12 @@ impl RankAgent {
     /// lease (which removes the NIXL record); then NIXL is torn down.
     pub fn shutdown(mut self, timeout: Duration) -> bool {
         self.agent.take().is_some_and(|a| a.shutdown(timeout))
+    }
+}
+
+/// What NIXL says of a peer it has not loaded, naming the rank.
+fn not_loaded(peer: &PeerRef) -> TransferError {
+    TransferError::PeerNotLoaded {
+        peer: format!("{} rank {}", peer.group, peer.rank),
     }
 }

@@ -471,11 +471,8 @@ class _Plugin:
                 _fault("fail-fast events")
                 self.fail_fast_stop.wait(2.0)
 
-    def _managers(self, role: str) -> List[Any]:
-        return [m for r in list(self.ranks.values()) if r.role == role for m in list(r.managers)]
-
-    def _decode_managers(self) -> List[Any]:
-        return self._managers("decode")
+    def _managers(self, *roles: str) -> List[Any]:
+        return [m for r in list(self.ranks.values()) if r.role in roles for m in list(r.managers)]
 
     def on_peer_down(self, ev: Dict[str, Any]) -> None:
         """A rank of a prefill instance is down: the instance is gone (SGLang ends every
@@ -547,14 +544,14 @@ class _Plugin:
             _fault("fail-fast victim grace")
 
     def _fail_instance(self, endpoints: set, note: str) -> None:
-        # Receivers SGLang creates for this instance from now on fail too (on_receiver),
+        # Receivers SGLang creates for this instance from now on fail too (on_transfer_created),
         # until one of its ranks registers again (on_peer_live).
         now = time.monotonic()
         for addr in endpoints:
             self.gone_instances[addr] = (note, now)
         while len(self.gone_instances) > RESOLVED_MEMORY:
             self.gone_instances.pop(next(iter(self.gone_instances)), None)
-        for kv_mgr in self._decode_managers():
+        for kv_mgr in self._managers("decode"):
             tracker = getattr(kv_mgr, "addr_to_rooms_tracker", None)
             handle = getattr(kv_mgr, "_handle_node_failure", None)
             if not isinstance(tracker, dict) or handle is None:
@@ -573,7 +570,7 @@ class _Plugin:
         waits on that room, it fails it now, naming the culprit. A peer may fail a room before
         this rank has even created its receiver or sender for it (the failure is published in
         milliseconds): the room is remembered, and the creation fails it then (see
-        :meth:`on_receiver`)."""
+        :meth:`on_transfer_created`)."""
         culprit = verdict.get("culprit") or {}
         try:
             room = int(verdict.get("room"))
@@ -587,10 +584,10 @@ class _Plugin:
         self.resolved_elsewhere[room] = (time.monotonic(), culprit)
         while len(self.resolved_elsewhere) > RESOLVED_MEMORY:
             self.resolved_elsewhere.pop(next(iter(self.resolved_elsewhere)), None)
-        for kv_mgr in self._decode_managers() + self._managers("prefill"):
+        for kv_mgr in self._managers("decode", "prefill"):
             self._fail_room(kv_mgr, room, culprit)
 
-    def on_receiver(self, kv_mgr: Any, room: Any, addr: Any = None) -> None:
+    def on_transfer_created(self, kv_mgr: Any, room: Any, addr: Any = None) -> None:
         """SGLang created a decode receiver (or a prefill sender) for ``room`` (on the
         scheduler thread): if the room's verdict already resolved elsewhere, or (decode, at
         ``addr``) its prefill instance is known gone (the router still sends it requests until
@@ -813,6 +810,14 @@ class _Plugin:
                        ", ".join(f"{g} rank {r}" for g, r in ranks) or "no rank (it had not registered)")
         return self.launcher_certified[proc.pid]
 
+    def keep_tokenizer_manager(self, tokenizer_manager: Any) -> None:
+        """In the launcher: remember SGLang's TokenizerManager (weakly), for its requests in flight."""
+        if tokenizer_manager is not None and self.tokenizer_manager is None:
+            try:
+                self.tokenizer_manager = weakref.ref(tokenizer_manager)
+            except TypeError:
+                pass
+
     def _launcher_rooms(self) -> List[int]:
         """The bootstrap rooms of the requests this launcher has in flight (bounded). A
         scheduler killed by a signal could not say which rooms died with it; its peer may be
@@ -840,8 +845,7 @@ class _Plugin:
         abort path, with HTTP 503 naming the scheduler that died, and a request that arrives
         before the kill is refused the same way. Returns that text, or None when SGLang is left
         to itself (fail fast off, or a crash dump folder that wants the requests unfinished)."""
-        if tokenizer_manager is not None and self.tokenizer_manager is None:
-            self.tokenizer_manager = weakref.ref(tokenizer_manager)
+        self.keep_tokenizer_manager(tokenizer_manager)
         watchdog = getattr(tokenizer_manager, "_subprocess_watchdog", None)
         processes = list(getattr(watchdog, "_processes", None) or [])
         names = list(getattr(watchdog, "_names", None) or [f"process_{i}" for i in range(len(processes))])
@@ -978,27 +982,20 @@ def _is_nixl(kv_mgr: Any) -> bool:
     return any(c.__name__ == "NixlKVManager" and c.__module__.endswith("disaggregation.nixl.conn") for c in type(kv_mgr).__mro__)
 
 
-def _after_receiver_init(result: Any, receiver: Any, *args: Any, **kwargs: Any) -> None:
+def _after_transfer_init(result: Any, transfer: Any, *args: Any, **kwargs: Any) -> None:
+    """After SGLang creates a decode receiver or a prefill sender for a room."""
     p = _plugin
     if p is not None and p.fail_fast and (p.resolved_elsewhere or p.gone_instances):
         try:
-            kv_mgr = getattr(receiver, "kv_mgr", None)
-            if kv_mgr is not None and getattr(getattr(kv_mgr, "_rootrank_rank", None), "role", None) == "decode":
-                p.on_receiver(kv_mgr, getattr(receiver, "bootstrap_room", None), getattr(receiver, "bootstrap_addr", None))
+            kv_mgr = getattr(transfer, "kv_mgr", None)
+            role = getattr(getattr(kv_mgr, "_rootrank_rank", None), "role", None)
+            room = getattr(transfer, "bootstrap_room", None)
+            if role == "decode":
+                p.on_transfer_created(kv_mgr, room, getattr(transfer, "bootstrap_addr", None))
+            elif role == "prefill":
+                p.on_transfer_created(kv_mgr, room)  # its own instance's address says nothing
         except Exception:
-            _fault("receiver hook")
-    return None
-
-
-def _after_sender_init(result: Any, sender: Any, *args: Any, **kwargs: Any) -> None:
-    p = _plugin
-    if p is not None and p.fail_fast and p.resolved_elsewhere:
-        try:
-            kv_mgr = getattr(sender, "kv_mgr", None)
-            if kv_mgr is not None and getattr(getattr(kv_mgr, "_rootrank_rank", None), "role", None) == "prefill":
-                p.on_receiver(kv_mgr, getattr(sender, "bootstrap_room", None))
-        except Exception:
-            _fault("sender hook")
+            _fault("receiver/sender hook")
     return None
 
 
@@ -1173,10 +1170,7 @@ class _ServerDying(ValueError):
 def _around_generate_request(original: Callable[..., Any], tokenizer_manager: Any, *args: Any, **kwargs: Any) -> Any:
     p = _plugin
     if p is not None and p.tokenizer_manager is None:
-        try:
-            p.tokenizer_manager = weakref.ref(tokenizer_manager)  # its requests in flight
-        except TypeError:
-            pass
+        p.keep_tokenizer_manager(tokenizer_manager)
     text = p.dying_text if p is not None else None
     if text is None:
         return original(tokenizer_manager, *args, **kwargs)
@@ -1274,12 +1268,12 @@ def _install(plugin: "_Plugin") -> None:
     # at its peer.
     import importlib
 
-    for kind, after in (("Receiver", _after_receiver_init), ("Sender", _after_sender_init)):
+    for kind in ("Receiver", "Sender"):
         for module, name in (("sglang.srt.disaggregation.common.conn", f"CommonKV{kind}"),
                              ("sglang.srt.disaggregation.nixl.conn", f"NixlKV{kind}")):
             try:
                 if "__init__" in getattr(importlib.import_module(module), name).__dict__:
-                    hook(f"{module}.{name}.__init__", after, HookType.AFTER)
+                    hook(f"{module}.{name}.__init__", _after_transfer_init, HookType.AFTER)
                     break
             except Exception:
                 continue
