@@ -202,10 +202,26 @@ async fn liveness(
         // Keep alive. Streams die with etcd restarts; re-open them for the same lease.
         let mut last_ok = Instant::now();
         loop {
-            let (mut keeper, mut stream) = match client.lease_keep_alive(lease).await {
-                Ok(ks) => ks,
-                Err(e) => {
-                    debug!(error = %e, "keepalive stream failed to open");
+            let opened = tokio::time::timeout(rootrank_store::REQUEST_TIMEOUT, client.lease_keep_alive(lease)).await;
+            let (mut keeper, mut stream) = match opened {
+                Ok(Ok(ks)) => ks,
+                // etcd-client opens the stream with a first keepalive and returns this variant
+                // when etcd answers it with TTL 0: the lease is gone (revoked, or expired while
+                // the stream was down). Reopening for it would retry forever.
+                Ok(Err(rootrank_store::etcd_client::Error::LeaseKeepAliveError(e))) => {
+                    warn!(incarnation = lease, error = %e, "liveness lease is gone (revoked or expired); registering a new incarnation");
+                    continue 'register;
+                }
+                other => {
+                    debug!(?other, "keepalive stream failed to open");
+                    if last_ok.elapsed() > Duration::from_secs(ttl as u64) {
+                        warn!(
+                            incarnation = lease,
+                            "no keepalive for a whole lease TTL; registering a new incarnation"
+                        );
+                        abandon(&mut client, lease).await;
+                        continue 'register;
+                    }
                     tokio::select! { _ = tokio::time::sleep(backoff.next_pause()) => {}, _ = stop.changed() => return }
                     continue;
                 }
@@ -250,6 +266,7 @@ async fn liveness(
                                 incarnation = lease,
                                 "no keepalive for a whole lease TTL; registering a new incarnation"
                             );
+                            abandon(&mut client, lease).await;
                             continue 'register;
                         }
                         tokio::select! { _ = tokio::time::sleep(backoff.next_pause()) => {}, _ = stop.changed() => return }
@@ -526,6 +543,18 @@ fn refusal(config: &AgentConfig, holder: Option<&Holder>) -> String {
          Retrying every {}s in case the holder is gone",
         REFUSED_RETRY.as_secs()
     )
+}
+
+/// Gives up an incarnation whose keepalives stopped getting through. If etcd still holds the
+/// lease (it was only slow), revoking it frees the live key now: otherwise the new incarnation
+/// would be refused by our own old one until its TTL ran out.
+async fn abandon(client: &mut Client, lease: i64) {
+    if tokio::time::timeout(rootrank_store::REQUEST_TIMEOUT, revoke_quietly(client, lease))
+        .await
+        .is_err()
+    {
+        debug!(lease, "revoking the abandoned liveness lease timed out; it will expire");
+    }
 }
 
 async fn revoke_quietly(client: &mut Client, lease: i64) {
