@@ -15,10 +15,11 @@
 #   chromium                     the operator page's browser test (headless)
 #   nftables iproute2            the partition tests (network namespaces, blackhole rules)
 #   python3-venv                 the wheel's install test
+#   openssl                      certificates for the TLS tests (made per test)
 set -euo pipefail
 
 BUILD=(etcd-server etcd-client protobuf-compiler libprotobuf-dev clang libclang-dev g++)
-TESTS=(prometheus wrk hey chromium nftables iproute2 python3-venv)
+TESTS=(prometheus wrk hey chromium nftables iproute2 python3-venv openssl)
 case "${1:-all}" in
     build) PKGS=("${BUILD[@]}") ;;
     all) PKGS=("${BUILD[@]}" "${TESTS[@]}") ;;

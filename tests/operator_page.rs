@@ -148,7 +148,9 @@ async fn four_thousand_ranks_render_without_freezing_the_page() {
     let etcd = Etcd::start().unwrap();
     let ep = etcd.endpoint();
     // 512 groups of 8 live ranks, written straight into etcd on one long lease.
-    let mut c = rootrank_store::connect(std::slice::from_ref(&ep)).await.unwrap();
+    let mut c = rootrank_store::connect(&rootrank_store::EtcdAccess::plain(vec![ep.clone()]))
+        .await
+        .unwrap();
     let lease = c.lease_grant(600, None).await.unwrap().id();
     let keys = Keys::new("/rootrank/v1");
     let mut ops = Vec::new();

@@ -95,7 +95,9 @@ async fn sigterm_stops_a_forever_run_cleanly() {
     wait_all_gone(&pids).await;
     // Each rank went through its agent's clean exit: a shutdown certificate, no live key.
     assert!(live_pids(&etcd.endpoint(), "prefill-0").await.unwrap().is_empty());
-    let mut c = rootrank_store::connect(&[etcd.endpoint()]).await.expect("client");
+    let mut c = rootrank_store::connect(&rootrank_store::EtcdAccess::plain(vec![etcd.endpoint()]))
+        .await
+        .expect("client");
     let all = c
         .get(
             "/rootrank/v1/groups/",

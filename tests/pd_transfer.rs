@@ -48,7 +48,9 @@ async fn kv_shards_arrive_intact_and_notified() {
 
     // Their live records carried pids and NIXL agent names while they ran; after the clean
     // exit each wrote a shutdown certificate (the launcher wrote none: the ranks' own agents did).
-    let mut c = rootrank_store::connect(&[etcd.endpoint()]).await.expect("client");
+    let mut c = rootrank_store::connect(&rootrank_store::EtcdAccess::plain(vec![etcd.endpoint()]))
+        .await
+        .expect("client");
     let downs = c
         .get(
             "/rootrank/v1/groups/",

@@ -12,7 +12,10 @@ const BIN: &str = env!("CARGO_BIN_EXE_rootrank");
 
 /// The raw body (status, bytes) of a GET.
 async fn raw(url: &str) -> Option<(u16, Vec<u8>)> {
-    let r = reqwest::Client::new()
+    let r = rootrank_tls::http_client(None)
+        .unwrap()
+        .build()
+        .unwrap()
         .get(url)
         .timeout(Duration::from_secs(10))
         .send()

@@ -52,7 +52,10 @@ fn strip_ansi(s: &str) -> String {
 }
 
 async fn body(url: &str) -> (u16, Vec<u8>) {
-    let r = reqwest::Client::new()
+    let r = rootrank_tls::http_client(None)
+        .unwrap()
+        .build()
+        .unwrap()
         .get(url)
         .timeout(Duration::from_secs(10))
         .send()
@@ -65,7 +68,9 @@ async fn body(url: &str) -> (u16, Vec<u8>) {
 async fn parallel_snapshot_readers_build_the_same_index_as_one() {
     let etcd = Etcd::start().unwrap();
     let ep = etcd.endpoint();
-    let mut c = rootrank_store::connect(std::slice::from_ref(&ep)).await.unwrap();
+    let mut c = rootrank_store::connect(&rootrank_store::EtcdAccess::plain(vec![ep.clone()]))
+        .await
+        .unwrap();
     let p = "/rootrank/v1/groups";
     let now = rootrank_store::unix_ms();
     let at = |ms: i64| rootrank_core::time::format_ms(ms);

@@ -27,9 +27,9 @@ pub struct Api {
 }
 
 impl Api {
-    pub fn new(bases: &str, timeout: Duration) -> anyhow::Result<Self> {
-        let bases = replica_urls(bases)?;
-        let http = reqwest::Client::builder().build()?;
+    pub fn new(args: &super::CoordinatorArgs, timeout: Duration) -> anyhow::Result<Self> {
+        let bases = replica_urls(&args.coordinator)?;
+        let http = args.http()?;
         Ok(Api { bases, http, timeout })
     }
 
@@ -61,6 +61,11 @@ impl Api {
             };
             let msg = body["error"]["message"].as_str().unwrap_or("unknown error");
             let code = body["error"]["code"].as_str().unwrap_or("error");
+            if status.as_u16() == 401 {
+                return Err(anyhow!(
+                    "{base} wants a bearer token: pass --token-file FILE or set ROOTRANK_TOKEN_FILE ({code}: {msg})"
+                ));
+            }
             if status.as_u16() == 503 {
                 tried.push(format!("{base}: {code}: {msg}"));
                 continue;

@@ -53,7 +53,9 @@ pub fn run(_a: DemoArgs) -> anyhow::Result<u8> {
             let _ = stop_rx.await;
         },
     ));
-    let http = reqwest::Client::builder().timeout(Duration::from_secs(40)).build()?;
+    let http = rootrank_tls::http_client(None)?
+        .timeout(Duration::from_secs(40))
+        .build()?;
     let result = rt.block_on(story(&http, &url, &etcd, &dir, lib.libs_dir().to_path_buf()));
     let _ = stop_tx.send(());
     let _ = rt.block_on(coordinator);
@@ -100,6 +102,7 @@ async fn story(
     let config = SimConfig {
         exe: std::env::current_exe()?,
         etcd_endpoints: vec![etcd.endpoint()],
+        etcd_files: Default::default(),
         prefix: "/rootrank/v1".into(),
         coordinator: Some(url.to_string()),
         prefill_group: "prefill-0".into(),

@@ -17,6 +17,8 @@ mod status;
 mod watch;
 mod why;
 
+use std::path::PathBuf;
+
 use clap::{Parser, Subcommand};
 
 #[derive(Parser, Debug)]
@@ -42,6 +44,42 @@ pub struct EtcdArgs {
     /// Key prefix in etcd.
     #[arg(long, env = "ROOTRANK_PREFIX", default_value = "/rootrank/v1")]
     pub prefix: String,
+    /// CA bundle that signed etcd's server certificate (TLS; https:// endpoints).
+    #[arg(long, env = "ROOTRANK_ETCD_CACERT", value_name = "FILE")]
+    pub etcd_cacert: Option<PathBuf>,
+    /// Client certificate for etcd (with --etcd-key), when etcd asks for one.
+    #[arg(long, env = "ROOTRANK_ETCD_CERT", value_name = "FILE")]
+    pub etcd_cert: Option<PathBuf>,
+    /// The client certificate's private key.
+    #[arg(long, env = "ROOTRANK_ETCD_KEY", value_name = "FILE")]
+    pub etcd_key: Option<PathBuf>,
+    /// etcd user (etcd's own auth), with --etcd-password-file.
+    #[arg(long, env = "ROOTRANK_ETCD_USER", value_name = "NAME")]
+    pub etcd_user: Option<String>,
+    /// File holding the etcd user's password (first line).
+    #[arg(long, env = "ROOTRANK_ETCD_PASSWORD_FILE", value_name = "FILE")]
+    pub etcd_password_file: Option<PathBuf>,
+}
+
+impl EtcdArgs {
+    pub fn files(&self) -> rootrank_store::EtcdCredentialFiles {
+        rootrank_store::EtcdCredentialFiles {
+            cacert: self.etcd_cacert.clone(),
+            cert: self.etcd_cert.clone(),
+            key: self.etcd_key.clone(),
+            user: self.etcd_user.clone(),
+            password_file: self.etcd_password_file.clone(),
+        }
+    }
+
+    /// The endpoints with their credentials, read and checked now (a missing file or a flag
+    /// without its partner stops the command with what to fix).
+    pub fn access(&self) -> anyhow::Result<rootrank_store::EtcdAccess> {
+        Ok(rootrank_store::EtcdAccess::new(
+            self.etcd_endpoints.clone(),
+            &self.files(),
+        )?)
+    }
 }
 
 /// Flags shared by the coordinator's clients.
@@ -50,6 +88,29 @@ pub struct CoordinatorArgs {
     /// The coordinator's URL, or several replicas comma-separated (tried in turn).
     #[arg(long, env = "ROOTRANK_COORDINATOR", default_value = "http://127.0.0.1:9750")]
     pub coordinator: String,
+    /// File holding the coordinator's bearer token (when it runs with --auth-token-file).
+    #[arg(long, env = "ROOTRANK_TOKEN_FILE", value_name = "FILE")]
+    pub token_file: Option<PathBuf>,
+    /// CA bundle that signed the coordinator's HTTPS certificate (default: the system's).
+    #[arg(long, env = "ROOTRANK_CACERT", value_name = "FILE")]
+    pub cacert: Option<PathBuf>,
+}
+
+impl CoordinatorArgs {
+    /// An HTTP client that trusts `--cacert` and sends the token of `--token-file` (marked
+    /// sensitive: never in logs) with every request.
+    pub fn http(&self) -> anyhow::Result<reqwest::Client> {
+        let mut builder = rootrank_tls::http_client(self.cacert.as_deref())?;
+        if let Some(path) = &self.token_file {
+            let token = rootrank_tls::AuthToken::from_file(path)?;
+            let mut value = reqwest::header::HeaderValue::from_str(&format!("Bearer {}", token.expose()))?;
+            value.set_sensitive(true);
+            let mut headers = reqwest::header::HeaderMap::new();
+            headers.insert(reqwest::header::AUTHORIZATION, value);
+            builder = builder.default_headers(headers);
+        }
+        Ok(builder.build()?)
+    }
 }
 
 #[derive(Subcommand, Debug)]

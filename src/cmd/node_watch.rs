@@ -31,7 +31,8 @@ pub struct NodeWatchArgs {
 }
 
 pub fn run(a: NodeWatchArgs) -> anyhow::Result<u8> {
-    let mut config = NodeWatchConfig::new(a.etcd.etcd_endpoints);
+    let mut config = NodeWatchConfig::new(a.etcd.etcd_endpoints.clone());
+    config.etcd = a.etcd.access()?;
     config.prefix = a.etcd.prefix;
     config.retention = Duration::from_secs(a.retention_s.max(1));
     config.supervisor_grace = Duration::from_millis(a.supervisor_grace_ms);

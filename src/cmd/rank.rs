@@ -27,6 +27,7 @@ pub struct RankArgs {
 
 pub fn run(a: RankArgs) -> anyhow::Result<u8> {
     let mut config = AgentConfig::new(a.etcd.etcd_endpoints.clone(), &a.group, a.rank, a.group_size)?;
+    config.etcd = a.etcd.access()?;
     config.prefix = a.etcd.prefix.clone();
     config.role = a.role.clone();
     config.lease_ttl = Duration::from_millis(a.lease_ttl_ms);

@@ -40,7 +40,8 @@ pub struct RunArgs {
 }
 
 pub fn run(a: RunArgs) -> anyhow::Result<u8> {
-    let mut config = SuperviseConfig::new(a.etcd.etcd_endpoints, &a.group, a.rank, a.group_size, a.command)?;
+    let mut config = SuperviseConfig::new(a.etcd.etcd_endpoints.clone(), &a.group, a.rank, a.group_size, a.command)?;
+    config.etcd = a.etcd.access()?;
     config.prefix = a.etcd.prefix;
     config.lease_ttl = Duration::from_millis(a.lease_ttl_ms);
     config.agent_grace = Duration::from_millis(a.agent_grace_ms);

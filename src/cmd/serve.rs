@@ -41,6 +41,19 @@ pub struct ServeArgs {
     /// revision; 1 to 64); a replica is ready sooner with more, up to what etcd has cores for.
     #[arg(long, default_value_t = rootrank_store::DEFAULT_READERS)]
     pub snapshot_readers: usize,
+    /// Serve HTTPS with this certificate chain (PEM, leaf first), with --tls-key.
+    #[arg(long, env = "ROOTRANK_TLS_CERT", value_name = "FILE", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// The HTTPS certificate's private key (PEM).
+    #[arg(long, env = "ROOTRANK_TLS_KEY", value_name = "FILE", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// Require `Authorization: Bearer TOKEN` (the file's first line) on every route but the
+    /// page, /healthz, /readyz and /metrics.
+    #[arg(long, env = "ROOTRANK_AUTH_TOKEN_FILE", value_name = "FILE")]
+    pub auth_token_file: Option<PathBuf>,
+    /// Require the token on /metrics too (the scraper then sends it).
+    #[arg(long, requires = "auth_token_file")]
+    pub auth_metrics: bool,
 }
 
 fn default_data_dir() -> PathBuf {
@@ -65,6 +78,17 @@ fn remembered_ports(dir: &std::path::Path) -> EtcdOptions {
 }
 
 pub fn run(a: ServeArgs) -> anyhow::Result<u8> {
+    // Credentials first: a bad file stops us before a private etcd is started for nothing.
+    let tls = match (&a.tls_cert, &a.tls_key) {
+        (Some(cert), Some(key)) => Some(rootrank_tls::server_config(cert, key)?),
+        _ => None,
+    };
+    let auth_token = a
+        .auth_token_file
+        .as_deref()
+        .map(rootrank_tls::AuthToken::from_file)
+        .transpose()?;
+    let files = a.etcd.files();
     let mut _private: Option<EmbeddedEtcd> = None;
     let endpoints = if a.etcd.etcd_endpoints.is_empty() {
         let dir = a.data_dir.clone().unwrap_or_else(default_data_dir).join("etcd");
@@ -83,15 +107,22 @@ pub fn run(a: ServeArgs) -> anyhow::Result<u8> {
             etcd.endpoint(),
             dir.display()
         );
+        if !files.is_empty() {
+            anyhow::bail!("--etcd-cacert/--etcd-cert/--etcd-user are for your etcd: pass --etcd-endpoints too (the private etcd is plain, on loopback)");
+        }
         let ep = vec![etcd.endpoint()];
         _private = Some(etcd);
-        ep
+        rootrank_store::EtcdAccess::plain(ep)
     } else {
-        a.etcd.etcd_endpoints.clone()
+        a.etcd.access()?
     };
+    let scheme = if tls.is_some() { "https" } else { "http" };
     let config = CoordinatorConfig {
-        endpoints,
+        etcd: endpoints,
         listen: a.listen,
+        tls,
+        auth_token,
+        auth_metrics: a.auth_metrics,
         index: IndexConfig {
             prefix: a.etcd.prefix.clone(),
             death_window_ms: a.death_window_ms,
@@ -104,9 +135,15 @@ pub fn run(a: ServeArgs) -> anyhow::Result<u8> {
         snapshot_readers: a.snapshot_readers,
     };
     eprintln!(
-        "rootrank: coordinator on http://{} (etcd {})",
+        "rootrank: coordinator on {scheme}://{}{} (etcd {}, {})",
         a.listen,
-        config.endpoints.join(",")
+        if config.auth_token.is_some() {
+            ", bearer token required"
+        } else {
+            ""
+        },
+        config.etcd.endpoints.join(","),
+        config.etcd.identity()
     );
     let rt = super::runtime()?;
     rt.block_on(rootrank_coordinator::run(config, super::shutdown_signal()))?;

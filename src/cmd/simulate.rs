@@ -117,6 +117,10 @@ pub fn config(a: &SimulateArgs) -> anyhow::Result<SimConfig> {
     Ok(SimConfig {
         exe: std::env::current_exe().context("finding the rootrank binary")?,
         etcd_endpoints: a.etcd.etcd_endpoints.clone(),
+        etcd_files: {
+            a.etcd.access()?; // the files are read and checked here, before any rank starts
+            a.etcd.files()
+        },
         prefix: a.etcd.prefix.clone(),
         coordinator: a.coordinator.clone(),
         prefill_group: a.prefill_group.clone(),

@@ -21,7 +21,7 @@ pub struct StatusArgs {
 
 pub fn run(a: StatusArgs) -> anyhow::Result<u8> {
     let rt = super::runtime()?;
-    let api = Api::new(&a.coordinator.coordinator, Duration::from_secs(5))?;
+    let api = Api::new(&a.coordinator, Duration::from_secs(5))?;
     let v = match &a.group {
         Some(g) => rt.block_on(api.get(&format!("/v1/groups/{g}"), &[]))?,
         None => rt.block_on(api.get("/v1/groups", &[]))?,

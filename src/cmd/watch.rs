@@ -31,7 +31,7 @@ pub fn run(a: WatchArgs) -> anyhow::Result<u8> {
 
 async fn follow(a: WatchArgs) -> anyhow::Result<u8> {
     let bases = super::client::replica_urls(&a.coordinator.coordinator)?;
-    let http = reqwest::Client::builder().build()?;
+    let http = a.coordinator.http()?;
     let mut since = a.since;
     let mut pause = Duration::from_millis(200);
     let mut i = 0usize;

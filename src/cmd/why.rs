@@ -27,7 +27,7 @@ pub struct WhyArgs {
 
 pub fn run(a: WhyArgs) -> anyhow::Result<u8> {
     let rt = super::runtime()?;
-    let api = Api::new(&a.coordinator.coordinator, Duration::from_millis(a.wait_ms + 5_000))?;
+    let api = Api::new(&a.coordinator, Duration::from_millis(a.wait_ms + 5_000))?;
     let mut query = vec![("wait_ms", a.wait_ms.to_string())];
     if let Some(g) = &a.group {
         query.push(("group", g.clone()));

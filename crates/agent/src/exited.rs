@@ -15,7 +15,7 @@ use rootrank_core::ids::reasons;
 use rootrank_core::records::{DownSource, ExitInfo, Origin, RankDown, RankLive, RoomFailure, SCHEMA_VERSION};
 use rootrank_core::{time, GroupId, Incarnation, KeyKind, Keys, Rank, Reason, RoomId};
 use rootrank_store::etcd_client::GetOptions;
-use rootrank_store::{LazyClient, Retained, RetainedWriter, Written};
+use rootrank_store::{EtcdAccess, LazyClient, Retained, RetainedWriter, Written};
 
 use crate::procfs;
 use crate::AgentError;
@@ -43,7 +43,7 @@ pub struct ExitedProcess {
 /// Then records `exited.rooms` for each of them (`propagated`, reason `process_exit`).
 /// Returns the ranks certified (written now or already certified by someone else first).
 pub fn certify_exited(
-    endpoints: Vec<String>,
+    etcd: EtcdAccess,
     prefix: &str,
     exited: &ExitedProcess,
     timeout: Duration,
@@ -57,7 +57,7 @@ pub fn certify_exited(
         .map_err(AgentError::Thread)?;
     let deadline = Instant::now() + timeout;
     runtime.block_on(async {
-        match tokio::time::timeout(timeout, certify(endpoints, prefix, exited, deadline)).await {
+        match tokio::time::timeout(timeout, certify(etcd, prefix, exited, deadline)).await {
             Ok(result) => result,
             Err(_) => Err(AgentError::Etcd(format!(
                 "etcd did not take the certificate of pid {} within {timeout:?}",
@@ -68,19 +68,19 @@ pub fn certify_exited(
 }
 
 async fn certify(
-    endpoints: Vec<String>,
+    access: EtcdAccess,
     prefix: &str,
     exited: &ExitedProcess,
     deadline: Instant,
 ) -> Result<Vec<(GroupId, Rank)>, AgentError> {
     let keys = Keys::new(prefix);
-    let mut etcd = LazyClient::new(endpoints.clone());
+    let mut etcd = LazyClient::new(access.clone());
     let client = etcd.client().await.map_err(|e| AgentError::Etcd(e.to_string()))?;
     let groups = format!("{}groups/", keys.root());
     let got = client
         .get(groups.as_str(), Some(GetOptions::new().with_prefix()))
         .await
-        .map_err(|e| AgentError::Etcd(e.to_string()))?;
+        .map_err(|e| AgentError::Etcd(rootrank_store::StoreError::from_etcd(&access, e).to_string()))?;
     let me = Identity::of_this_process();
     let mut found = Vec::new();
     for kv in got.kvs() {
@@ -97,7 +97,7 @@ async fn certify(
             found.push((live, incarnation, kv.create_revision()));
         }
     }
-    let mut writer = RetainedWriter::new(LazyClient::connected(endpoints, client.clone()), RETENTION);
+    let mut writer = RetainedWriter::new(LazyClient::connected(access, client.clone()), RETENTION);
     let mut certified = Vec::new();
     for (live, incarnation, registered) in found {
         let down = RankDown {

@@ -28,6 +28,8 @@ use rootrank_core::records::{truncate_utf8, MAX_DETAIL_BYTES};
 use rootrank_core::{GroupId, IdError, Incarnation, Origin, Peer, Rank, Reason, RoomId};
 use tokio::sync::{mpsc, oneshot};
 
+pub use rootrank_store::{EtcdAccess, EtcdCredentialFiles};
+
 /// The agent's version string, as published in RankLive.agent.
 pub const AGENT_VERSION: &str = concat!("rootrank-agent/", env!("CARGO_PKG_VERSION"));
 
@@ -51,7 +53,8 @@ pub enum AgentError {
 /// How an agent is set up. [`AgentConfig::new`] fills the defaults of SPEC section 4.
 #[derive(Clone, Debug)]
 pub struct AgentConfig {
-    pub endpoints: Vec<String>,
+    /// etcd's endpoints and the credentials it asks for ([`AgentConfig::new`]: plain).
+    pub etcd: EtcdAccess,
     pub prefix: String,
     pub group: GroupId,
     pub rank: Rank,
@@ -100,7 +103,7 @@ impl AgentConfig {
         let group = GroupId::new(group)?;
         let (rank, group_size) = check_rank(rank, group_size)?;
         Ok(AgentConfig {
-            endpoints,
+            etcd: EtcdAccess::plain(endpoints),
             prefix: "/rootrank/v1".to_string(),
             group,
             rank,
@@ -124,7 +127,7 @@ impl AgentConfig {
     }
 
     fn check(&self) -> Result<(), AgentError> {
-        if self.endpoints.is_empty() {
+        if self.etcd.endpoints.is_empty() {
             return Err(AgentError::Config(
                 "no etcd endpoints (set ROOTRANK_ETCD_ENDPOINTS)".into(),
             ));
@@ -217,6 +220,11 @@ pub(crate) struct Shared {
     /// Why the live key could not be created (another incarnation holds it), while that
     /// lasts; `None` once registered.
     pub refused: Mutex<Option<String>>,
+    /// Why etcd refuses this agent (TLS, auth, a role without a key it writes), while it does.
+    pub etcd_refused: Mutex<Option<String>>,
+    /// A clean shutdown was asked for: ends the wait for a first connection to etcd (the
+    /// queue is only read once connected, and a refused agent may never connect).
+    pub shutdown_asked: tokio::sync::Notify,
     /// The host's loop iterations ([`Agent::progress`]), read by the stall watch.
     pub progress: AtomicU64,
     /// When the last one happened ([`stall::monotonic_ms`]): the stall watch wakes only every
@@ -244,7 +252,25 @@ impl Shared {
     }
 
     pub(crate) fn is_refused(&self) -> bool {
-        self.refused.lock().is_ok_and(|r| r.is_some())
+        self.refused.lock().is_ok_and(|r| r.is_some()) || self.etcd_refused.lock().is_ok_and(|r| r.is_some())
+    }
+
+    /// Records that etcd refuses us (`Some`) or took a request again (`None`); wakes a host
+    /// waiting for the registration. True when this is news (the caller says it once).
+    pub(crate) fn set_etcd_refused(&self, why: Option<String>) -> bool {
+        let Ok(mut r) = self.etcd_refused.lock() else {
+            return false;
+        };
+        if *r == why {
+            return false;
+        }
+        *r = why;
+        drop(r);
+        let (lock, cv) = &self.registered;
+        if let Ok(_g) = lock.lock() {
+            cv.notify_all();
+        }
+        true
     }
 
     pub(crate) fn set_incarnation(&self, lease: i64) {
@@ -404,8 +430,15 @@ impl Agent {
         self.shared.refused.lock().ok().and_then(|r| r.clone())
     }
 
+    /// Why etcd refuses this agent, while it does: a TLS handshake it fails, a wrong user or
+    /// password, or a role without a key it must write (SPEC section 7). `None` otherwise.
+    pub fn etcd_refused(&self) -> Option<String> {
+        self.shared.etcd_refused.lock().ok().and_then(|r| r.clone())
+    }
+
     /// Waits up to `timeout` for the first registration; returns `None` early when the
-    /// registration is refused (see [`Agent::registration_refused`]).
+    /// registration is refused (see [`Agent::registration_refused`]) or etcd refuses the
+    /// agent (see [`Agent::etcd_refused`]).
     pub fn wait_registered(&self, timeout: Duration) -> Option<Incarnation> {
         let (lock, cv) = &self.shared.registered;
         let guard = lock.lock().ok()?;
@@ -448,6 +481,9 @@ impl Agent {
         }
         let (done_tx, done_rx) = oneshot::channel();
         let sent = self.tx.try_send(Command::Shutdown { clean, done: done_tx }).is_ok();
+        if clean {
+            self.shared.shutdown_asked.notify_one();
+        }
         // Otherwise the thread is left to finish on its own: the host must not hang.
         sent && wait_oneshot(done_rx, timeout)
     }

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use rootrank_core::records::{DownSource, RankDown, RankLive, RankStall, RoomFailure, SCHEMA_VERSION};
 use rootrank_core::{time, Incarnation, Keys, Reason};
 use rootrank_store::etcd_client::{Client, PutOptions};
-use rootrank_store::{Backoff, LazyClient, Retained, RetainedWriter, Written};
+use rootrank_store::{Backoff, EtcdAccess, LazyClient, Retained, RetainedWriter, Written};
 use tokio::sync::{mpsc, watch};
 use tracing::{debug, error, info, info_span, warn, Instrument};
 
@@ -42,7 +42,15 @@ pub(crate) fn run(config: AgentConfig, rx: mpsc::Receiver<Command>, shared: Arc<
     let span = info_span!("agent", group = %config.group, rank = config.rank);
     rt.block_on(
         async move {
-            let client = connect_with_retry(&config.endpoints).await;
+            let client = tokio::select! {
+                c = connect_with_retry(&config.etcd, &shared) => c,
+                _ = shared.shutdown_asked.notified() => {
+                    // Shut down before etcd ever took a connection: no incarnation of ours
+                    // exists to certify, and the host is leaving; say what is lost.
+                    stop_unconnected(rx, &shared);
+                    return;
+                }
+            };
             let attachments: Attachments = Arc::default();
             let registered_revision = Arc::new(AtomicI64::new(0));
             let (stop_tx, stop_rx) = watch::channel(false);
@@ -68,17 +76,60 @@ pub(crate) fn run(config: AgentConfig, rx: mpsc::Receiver<Command>, shared: Arc<
     );
 }
 
-async fn connect_with_retry(endpoints: &[String]) -> Client {
+async fn connect_with_retry(access: &EtcdAccess, shared: &Shared) -> Client {
     let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(2));
     loop {
-        match rootrank_store::connect(endpoints).await {
+        match rootrank_store::connect(access).await {
             Ok(c) => return c,
             Err(e) => {
-                warn!(error = %e, "agent cannot reach etcd yet; retrying");
+                if e.refusal().is_some() {
+                    // Said once: the operator must act; retrying louder would not help.
+                    if shared.set_etcd_refused(Some(e.to_string())) {
+                        error!(error = %e, "etcd refuses this agent; retrying quietly until an operator fixes it");
+                    }
+                } else {
+                    warn!(error = %e, "agent cannot reach etcd yet; retrying");
+                }
                 tokio::time::sleep(backoff.next_pause()).await;
             }
         }
     }
+}
+
+/// Answers the queue of an agent that never connected: every waiter is released, records are
+/// counted as dropped and said once.
+fn stop_unconnected(mut rx: mpsc::Receiver<Command>, shared: &Shared) {
+    let mut lost = 0u64;
+    while let Ok(cmd) = rx.try_recv() {
+        match cmd {
+            Command::Failure(_) | Command::Down { .. } => lost += 1,
+            Command::Attach { .. } => {}
+            Command::Flush(done) | Command::Shutdown { done, .. } => {
+                let _ = done.send(());
+            }
+        }
+    }
+    shared.stats.dropped.fetch_add(lost, Ordering::Relaxed);
+    warn!(
+        lost,
+        refused = shared.etcd_refused.lock().ok().and_then(|r| r.clone()),
+        "agent shut down before etcd ever answered; its queued records were not published"
+    );
+}
+
+/// Says a refusal from one of the liveness loop's requests once, and whether it was one.
+async fn note_refusal(shared: &Shared, access: &EtcdAccess, e: rootrank_store::etcd_client::Error) -> bool {
+    let Some(refusal) = rootrank_store::classify(access, e).await.refusal().cloned() else {
+        return false;
+    };
+    let text = format!(
+        "etcd refused this rank's registration ({}): {refusal}",
+        access.identity()
+    );
+    if shared.set_etcd_refused(Some(text.clone())) {
+        error!("{text}; retrying quietly until an operator fixes it");
+    }
+    true
 }
 
 fn lease_ttl_secs(config: &AgentConfig) -> i64 {
@@ -146,7 +197,10 @@ async fn liveness(
         let lease = match client.lease_grant(ttl, None).await {
             Ok(r) => r.id(),
             Err(e) => {
-                warn!(error = %e, "agent could not grant its liveness lease; retrying");
+                let text = e.to_string();
+                if !note_refusal(&shared, &config.etcd, e).await {
+                    warn!(error = %text, "agent could not grant its liveness lease; retrying");
+                }
                 tokio::select! { _ = tokio::time::sleep(backoff.next_pause()) => {}, _ = stop.changed() => return }
                 continue;
             }
@@ -157,7 +211,10 @@ async fn liveness(
         let created = match register(&mut client, &config, &live_key, live_value.clone(), lease).await {
             Ok(c) => c,
             Err(e) => {
-                warn!(error = %e, "agent could not write its live key; retrying");
+                let text = e.to_string();
+                if !note_refusal(&shared, &config.etcd, e).await {
+                    warn!(error = %text, "agent could not write its live key; retrying");
+                }
                 revoke_quietly(&mut client, lease).await;
                 tokio::select! { _ = tokio::time::sleep(backoff.next_pause()) => {}, _ = stop.changed() => return }
                 continue;
@@ -195,6 +252,7 @@ async fn liveness(
                 warn!(error = %e, suffix, "agent could not re-attach a key to its new lease");
             }
         }
+        shared.set_etcd_refused(None);
         shared.set_incarnation(lease);
         info!(incarnation = lease, ttl_s = ttl, "rank registered");
         backoff.reset();
@@ -575,10 +633,11 @@ async fn publisher(
 ) {
     let keys = Keys::new(&config.prefix);
     let mut attach_client = client.clone();
-    let mut writer = RetainedWriter::new(
-        LazyClient::connected(config.endpoints.clone(), client),
-        config.retention,
-    );
+    let sink_shared = shared.clone();
+    let mut writer = RetainedWriter::new(LazyClient::connected(config.etcd.clone(), client), config.retention)
+        .on_refused(Arc::new(move |why| {
+            sink_shared.set_etcd_refused(why);
+        }));
     let certify =
         |reason: Reason, detail: String, log_tail: Option<Vec<String>>, at_ms: i64, incarnation: Incarnation| {
             RankDown {

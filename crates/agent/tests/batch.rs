@@ -33,7 +33,10 @@ async fn state(c: &mut Client, prefix: &str) -> BTreeMap<String, (Vec<u8>, i64, 
 }
 
 fn writer(etcd: &Etcd) -> RetainedWriter {
-    RetainedWriter::new(LazyClient::new(vec![etcd.endpoint()]), Duration::from_secs(600))
+    RetainedWriter::new(
+        LazyClient::new(rootrank_store::EtcdAccess::plain(vec![etcd.endpoint()])),
+        Duration::from_secs(600),
+    )
 }
 
 #[test]

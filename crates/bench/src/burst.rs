@@ -127,7 +127,7 @@ async fn one_burst(
 ) -> anyhow::Result<Value> {
     let room_ids: Vec<u64> = (0..rooms as u64).map(|i| crate::state::room_id(salt, i)).collect();
     // One waiting scheduler per room, before anything fails.
-    let http = reqwest::Client::builder()
+    let http = rootrank_tls::http_client(None)?
         .pool_max_idle_per_host(rooms)
         .timeout(Duration::from_secs(40))
         .build()?;

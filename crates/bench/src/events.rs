@@ -71,7 +71,7 @@ pub async fn run(env: &Env, cfg: &EventsCfg) -> anyhow::Result<Value> {
     let coord = Coordinator::start(env, &endpoint, PREFIX, Duration::from_secs(30)).await?;
     let etcd_pid = procs::etcd_pid(&etcd)?;
     let pids = [coord.pid, etcd_pid, std::process::id()];
-    let mut probe_client = rootrank_store::connect(std::slice::from_ref(&endpoint)).await?;
+    let mut probe_client = rootrank_store::connect(&rootrank_store::EtcdAccess::plain(vec![endpoint.clone()])).await?;
     let probe_lease = probe_client.lease_grant(3600, None).await?.id();
     let groups = cfg.agents.div_ceil(RANKS).max(1);
     let agents = ingest::start_agents(

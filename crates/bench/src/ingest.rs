@@ -98,7 +98,8 @@ pub(crate) struct Rig {
 
 impl Rig {
     pub(crate) async fn new(coord: &Coordinator, etcd_pid: u32, endpoint: &str) -> anyhow::Result<Rig> {
-        let mut probe_client = rootrank_store::connect(&[endpoint.to_string()]).await?;
+        let mut probe_client =
+            rootrank_store::connect(&rootrank_store::EtcdAccess::plain(vec![endpoint.to_string()])).await?;
         let probe_lease = probe_client.lease_grant(3600, None).await?.id();
         Ok(Rig {
             url: coord.url.clone(),

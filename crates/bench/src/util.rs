@@ -223,7 +223,7 @@ pub fn free_port() -> anyhow::Result<u16> {
 
 /// An HTTP client for loopback only, keeping connections between requests.
 pub fn http_client(timeout: Duration) -> anyhow::Result<reqwest::Client> {
-    Ok(reqwest::Client::builder()
+    Ok(rootrank_tls::http_client(None)?
         .timeout(timeout)
         .pool_max_idle_per_host(256)
         .no_proxy()

@@ -39,8 +39,41 @@ pub fn router(shared: Arc<Shared>) -> Router {
         .route("/readyz", get(readyz))
         .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such route; see SPEC section 6 (GET /v1/rooms/{room}/verdict, /v1/groups, /v1/failures, /v1/events, /v1/health, /metrics, /healthz, /readyz)") })
         .method_not_allowed_fallback(|| async { ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed", "rootrank's API is read-only: use GET") })
+        .layer(middleware::from_fn_with_state(shared.clone(), authorize))
         .layer(middleware::from_fn_with_state(shared.clone(), observe))
         .with_state(shared)
+}
+
+/// With `--auth-token-file`, every route but the static page, `/healthz`, `/readyz` and
+/// (unless `--auth-metrics`) `/metrics` wants `Authorization: Bearer TOKEN`: what ranks'
+/// hosts, pids and tracebacks say is for the operators who hold it. The page itself carries
+/// no data (it asks for the token and sends it with each request it makes).
+async fn authorize(State(shared): State<Arc<Shared>>, req: Request, next: Next) -> Response {
+    let Some(token) = &shared.auth_token else {
+        return next.run(req).await;
+    };
+    let path = req.uri().path();
+    let open = matches!(path, "/" | "/healthz" | "/readyz") || (path == "/metrics" && !shared.auth_metrics);
+    let allowed = open
+        || req
+            .headers()
+            .get(header::AUTHORIZATION)
+            .is_some_and(|v| v.len() <= rootrank_tls::MAX_TOKEN_BYTES + 16 && token.accepts(v.as_bytes()));
+    if allowed {
+        return next.run(req).await;
+    }
+    shared.metrics.http_unauthorized.inc();
+    let mut resp = ApiError::new(
+        StatusCode::UNAUTHORIZED,
+        "unauthorized",
+        "this coordinator wants a bearer token: send Authorization: Bearer TOKEN (rootrank why/status: --token-file or ROOTRANK_TOKEN_FILE)",
+    )
+    .into_response();
+    resp.headers_mut().insert(
+        header::WWW_AUTHENTICATE,
+        axum::http::HeaderValue::from_static("Bearer realm=\"rootrank\""),
+    );
+    resp
 }
 
 /// A JSON error: `{"error": {"code", "message"}}`.

@@ -23,13 +23,22 @@ use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use rootrank_core::{Index, IndexConfig};
+pub use rootrank_store::{EtcdAccess, EtcdCredentialFiles};
+pub use rootrank_tls::AuthToken;
 use tokio::sync::watch;
 
 /// How a coordinator runs.
 #[derive(Clone, Debug)]
 pub struct CoordinatorConfig {
-    pub endpoints: Vec<String>,
+    /// etcd's endpoints and credentials ([`CoordinatorConfig::new`]: plain).
+    pub etcd: EtcdAccess,
     pub listen: SocketAddr,
+    /// HTTPS (`--tls-cert/--tls-key`); plain HTTP when `None`.
+    pub tls: Option<Arc<rustls::ServerConfig>>,
+    /// The bearer token every data route wants (`--auth-token-file`); open when `None`.
+    pub auth_token: Option<AuthToken>,
+    /// Whether `/metrics` wants the token too (`--auth-metrics`).
+    pub auth_metrics: bool,
     pub index: IndexConfig,
     /// How long the certificates it writes are kept (default 600 s).
     pub retention: Duration,
@@ -51,8 +60,11 @@ impl CoordinatorConfig {
     /// The defaults of `rootrank serve` for everything but where etcd is and where to listen.
     pub fn new(endpoints: Vec<String>, listen: SocketAddr) -> Self {
         CoordinatorConfig {
-            endpoints,
+            etcd: EtcdAccess::plain(endpoints),
             listen,
+            tls: None,
+            auth_token: None,
+            auth_metrics: false,
             index: IndexConfig::default(),
             retention: Duration::from_secs(600),
             max_long_polls: http::MAX_LONG_POLLS,
@@ -76,6 +88,8 @@ pub struct Shared {
     pub verdicts: http::VerdictCache,
     /// v3: recent rank changes and resolved rooms for `GET /v1/events`.
     pub events: events::EventLog,
+    pub auth_token: Option<AuthToken>,
+    pub auth_metrics: bool,
 }
 
 impl Shared {
@@ -91,6 +105,8 @@ impl Shared {
             )),
             verdicts: http::VerdictCache::default(),
             events: events::EventLog::default(),
+            auth_token: config.auth_token.clone(),
+            auth_metrics: config.auth_metrics,
         }))
     }
 
@@ -113,6 +129,24 @@ pub enum CoordinatorError {
     Metrics(#[from] prometheus::Error),
     #[error("HTTP server: {0}")]
     Serve(#[source] std::io::Error),
+    #[error(transparent)]
+    Etcd(rootrank_store::StoreError),
+}
+
+/// Stops start-up when etcd refuses us (TLS, auth, a role that cannot read the prefix or
+/// write a certificate): that needs an operator, not a retry. An etcd that is only down is
+/// waited for as ever (the replica answers 503 until it is current).
+async fn check_etcd_access(config: &CoordinatorConfig) -> Result<(), CoordinatorError> {
+    let keys = rootrank_core::Keys::new(&config.index.prefix);
+    let probe = keys.probe_certificate();
+    match rootrank_store::connect_checked(&config.etcd, &keys.root(), &probe).await {
+        Err(e) if e.refusal().is_some() => Err(CoordinatorError::Etcd(e)),
+        Err(e) => {
+            tracing::warn!(error = %e, "etcd is not answering yet; serving 503 until the first snapshot");
+            Ok(())
+        }
+        Ok(_) => Ok(()),
+    }
 }
 
 /// Runs a coordinator until `shutdown` resolves.
@@ -121,6 +155,7 @@ pub async fn run(
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), CoordinatorError> {
     let shared = Shared::new(&config)?;
+    check_etcd_access(&config).await?;
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .map_err(|e| CoordinatorError::Listen {
@@ -128,7 +163,15 @@ pub async fn run(
             source: e,
         })?;
     let addr = listener.local_addr().map_err(CoordinatorError::Serve)?;
-    tracing::info!(%addr, endpoints = %config.endpoints.join(","), prefix = %config.index.prefix, "coordinator listening");
+    tracing::info!(
+        %addr,
+        endpoints = %config.etcd.endpoints.join(","),
+        etcd_identity = %config.etcd.identity(),
+        https = config.tls.is_some(),
+        token = config.auth_token.is_some(),
+        prefix = %config.index.prefix,
+        "coordinator listening"
+    );
     let sync = tokio::spawn(sync::run(config.clone(), shared.clone()));
     let presence = tokio::spawn(presence::run(config.clone(), addr));
     let app = http::router(shared.clone());

@@ -34,9 +34,7 @@ pub async fn run(config: CoordinatorConfig, listen: std::net::SocketAddr) {
     let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(5));
     loop {
         let attempt = async {
-            let mut client = rootrank_store::connect(&config.endpoints)
-                .await
-                .map_err(|e| e.to_string())?;
+            let mut client = rootrank_store::connect(&config.etcd).await.map_err(|e| e.to_string())?;
             let lease = client.lease_grant(TTL_S, None).await.map_err(|e| e.to_string())?.id();
             client
                 .put(key.clone(), value.clone(), Some(PutOptions::new().with_lease(lease)))

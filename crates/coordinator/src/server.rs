@@ -44,6 +44,7 @@ pub async fn serve(
         .timer(TokioTimer::new())
         .header_read_timeout(config.header_timeout)
         .keep_alive(true);
+    let tls = config.tls.clone().map(tokio_rustls::TlsAcceptor::from);
     tokio::pin!(shutdown);
     loop {
         let (stream, peer) = tokio::select! {
@@ -65,21 +66,20 @@ pub async fn serve(
             continue;
         };
         let _ = stream.set_nodelay(true);
-        let conn = http1.serve_connection(TokioIo::new(stream), TowerToHyperService::new(app.clone()));
-        let (mut stop, shared) = (stop_rx.clone(), shared.clone());
+        let (stop, shared) = (stop_rx.clone(), shared.clone());
+        let (app, http1, tls) = (app.clone(), http1.clone(), tls.clone());
+        let handshake_within = config.header_timeout;
         shared.metrics.http_connections.inc();
         tokio::spawn(async move {
-            tokio::pin!(conn);
-            tokio::select! {
-                r = conn.as_mut() => {
-                    if let Err(e) = r {
-                        debug!(%peer, error = %e, "connection ended with an error");
-                    }
-                }
-                _ = stop.changed() => {
-                    conn.as_mut().graceful_shutdown();
-                    let _ = tokio::time::timeout(DRAIN, conn).await;
-                }
+            match tls {
+                None => serve_connection(TokioIo::new(stream), &http1, app, stop, peer).await,
+                // The handshake is bounded like a request head: a client that opens TLS and
+                // says nothing holds its slot no longer than a slow plain one.
+                Some(acceptor) => match tokio::time::timeout(handshake_within, acceptor.accept(stream)).await {
+                    Ok(Ok(tls_stream)) => serve_connection(TokioIo::new(tls_stream), &http1, app, stop, peer).await,
+                    Ok(Err(e)) => debug!(%peer, error = %e, "TLS handshake failed"),
+                    Err(_) => debug!(%peer, "TLS handshake timed out"),
+                },
             }
             shared.metrics.http_connections.dec();
             drop(slot);
@@ -88,4 +88,30 @@ pub async fn serve(
     let _ = stop_tx.send(true);
     // Every connection gives its slot back when it ends; wait (bounded) for all of them.
     let _ = tokio::time::timeout(DRAIN + Duration::from_secs(1), slots.acquire_many(max as u32)).await;
+}
+
+/// One connection until it ends, or until shutdown asks it to finish its requests (bounded by
+/// [`DRAIN`]).
+async fn serve_connection<I>(
+    io: TokioIo<I>,
+    http1: &hyper::server::conn::http1::Builder,
+    app: Router,
+    mut stop: watch::Receiver<bool>,
+    peer: std::net::SocketAddr,
+) where
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let conn = http1.serve_connection(io, TowerToHyperService::new(app));
+    tokio::pin!(conn);
+    tokio::select! {
+        r = conn.as_mut() => {
+            if let Err(e) = r {
+                debug!(%peer, error = %e, "connection ended with an error");
+            }
+        }
+        _ = stop.changed() => {
+            conn.as_mut().graceful_shutdown();
+            let _ = tokio::time::timeout(DRAIN, conn).await;
+        }
+    }
 }

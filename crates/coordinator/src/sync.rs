@@ -39,7 +39,7 @@ async fn run_in_span(config: CoordinatorConfig, shared: Arc<Shared>) {
     loop {
         let c = match &client {
             Some(c) => c.clone(),
-            None => match rootrank_store::connect(&config.endpoints).await {
+            None => match rootrank_store::connect(&config.etcd).await {
                 Ok(c) => {
                     client = Some(c.clone());
                     c
@@ -408,7 +408,7 @@ fn handle_outputs(
 /// Persists vanished live keys as coordinator certificates, retrying until etcd takes them.
 async fn certificate_writer(config: CoordinatorConfig, mut rx: mpsc::UnboundedReceiver<Output>) {
     let keys = Keys::new(&config.index.prefix);
-    let mut writer = RetainedWriter::new(LazyClient::new(config.endpoints.clone()), config.retention);
+    let mut writer = RetainedWriter::new(LazyClient::new(config.etcd.clone()), config.retention);
     while let Some(o) = rx.recv().await {
         let Output::LiveKeyVanished {
             group,

@@ -67,6 +67,11 @@ impl Keys {
     pub fn down(&self, group: &GroupId, rank: Rank, incarnation: Incarnation) -> String {
         format!("{}/groups/{group}/ranks/{rank}/down/{incarnation}", self.prefix)
     }
+    /// A certificate key no rank has, for a start-up write-permission probe that etcd checks
+    /// but never applies (`rootrank_store::connect_checked`).
+    pub fn probe_certificate(&self) -> String {
+        format!("{}/groups/rootrank-permission-probe/ranks/0/down/1", self.prefix)
+    }
     pub fn nixl(&self, group: &GroupId, rank: Rank) -> String {
         self.rank_attachment(group, rank, "nixl")
     }

@@ -14,9 +14,9 @@ pub(crate) struct CertWriter {
 }
 
 impl CertWriter {
-    pub(crate) fn new(endpoints: Vec<String>, prefix: &str, retention: Duration) -> Self {
+    pub(crate) fn new(etcd: rootrank_store::EtcdAccess, prefix: &str, retention: Duration) -> Self {
         CertWriter {
-            inner: RetainedWriter::new(Etcd::new(endpoints), retention),
+            inner: RetainedWriter::new(Etcd::new(etcd), retention),
             keys: Keys::new(prefix),
         }
     }

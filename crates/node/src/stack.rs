@@ -71,7 +71,7 @@ pub fn busy_threads_first(dump: &str) -> Vec<String> {
 
 /// Reads the stack of `pid` (the stalled rank, in node-watch's pid namespace) and adds it to
 /// its stall record, if that record is still the same stall.
-pub(crate) async fn attach(py_spy: PathBuf, pid: u32, stall: StallKv, endpoints: Vec<String>) {
+pub(crate) async fn attach(py_spy: PathBuf, pid: u32, stall: StallKv, etcd: rootrank_store::EtcdAccess) {
     let group = stall.record.group.clone();
     let rank = stall.record.rank;
     let stack = match dump(&py_spy, pid).await {
@@ -85,7 +85,7 @@ pub(crate) async fn attach(py_spy: PathBuf, pid: u32, stall: StallKv, endpoints:
     let mut record = stall.record;
     record.stack = Some(stack);
     let Ok(value) = serde_json::to_vec(&record) else { return };
-    let mut client = match rootrank_store::connect(&endpoints).await {
+    let mut client = match rootrank_store::connect(&etcd).await {
         Ok(c) => c,
         Err(e) => {
             warn!(%group, rank, error = %e, "cannot reach etcd to add the stalled rank's stack");

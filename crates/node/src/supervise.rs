@@ -28,11 +28,14 @@ use crate::certs::{CertWriter, Etcd, Written};
 use crate::metrics::{self, NodeMetrics};
 use crate::pidns::Located;
 use crate::NodeError;
+use rootrank_store::EtcdAccess;
 
 /// How `rootrank run` runs.
 #[derive(Clone, Debug)]
 pub struct SuperviseConfig {
-    pub endpoints: Vec<String>,
+    /// etcd's endpoints and credentials ([`SuperviseConfig::new`]: plain); the child gets
+    /// them in its environment as `ROOTRANK_ETCD_*`.
+    pub etcd: EtcdAccess,
     pub prefix: String,
     pub group: GroupId,
     pub rank: Rank,
@@ -70,7 +73,7 @@ impl SuperviseConfig {
             ));
         }
         Ok(SuperviseConfig {
-            endpoints,
+            etcd: EtcdAccess::plain(endpoints),
             prefix: "/rootrank/v1".to_string(),
             group,
             rank,
@@ -146,7 +149,7 @@ pub async fn supervise(config: SuperviseConfig) -> Result<SupervisedExit, NodeEr
 }
 
 async fn supervise_inner(config: SuperviseConfig) -> Result<SupervisedExit, NodeError> {
-    if config.endpoints.is_empty() {
+    if config.etcd.endpoints.is_empty() {
         return Err(rootrank_store::StoreError::NoEndpoints.into());
     }
     // Handlers before the child exists, so a signal right after the spawn is forwarded
@@ -169,11 +172,13 @@ async fn supervise_inner(config: SuperviseConfig) -> Result<SupervisedExit, Node
         .env("ROOTRANK_GROUP", config.group.as_str())
         .env("ROOTRANK_RANK", config.rank.to_string())
         .env("ROOTRANK_GROUP_SIZE", config.group_size.to_string())
-        .env("ROOTRANK_ETCD_ENDPOINTS", config.endpoints.join(","))
+        .env("ROOTRANK_ETCD_ENDPOINTS", config.etcd.endpoints.join(","))
         .env("ROOTRANK_PREFIX", &config.prefix)
         .stdin(Stdio::inherit())
         .stdout(Stdio::inherit())
         .stderr(Stdio::piped());
+    // The child's own agent (the SGLang plugin) connects as the supervisor does: same files.
+    cmd.envs(config.etcd.files().to_env());
     let watched_since = Instant::now();
     let mut child = cmd.spawn().map_err(|source| NodeError::Spawn {
         program: program.clone(),
@@ -287,7 +292,7 @@ async fn supervise_inner(config: SuperviseConfig) -> Result<SupervisedExit, Node
         observed_revision: None,
         registered_revision: Some(known.registered_revision).filter(|r| *r > 0),
     };
-    let mut writer = CertWriter::new(config.endpoints.clone(), &config.prefix, config.retention);
+    let mut writer = CertWriter::new(config.etcd.clone(), &config.prefix, config.retention);
     let written = writer
         .write(&down, Some(rootrank_store::deadline_after(config.report_timeout)))
         .await;
@@ -429,7 +434,7 @@ async fn lookup_noting(etcd: &mut Etcd, key: &str, child: u32, shared: &Shared) 
 /// and hands over to the child's agent if it registers later after all.
 async fn discover(config: SuperviseConfig, pid: u32, shared: Shared) {
     let key = Keys::new(&config.prefix).live(&config.group, config.rank);
-    let mut etcd = Etcd::new(config.endpoints.clone());
+    let mut etcd = Etcd::new(config.etcd.clone());
     let deadline = rootrank_store::deadline_after(config.agent_grace);
     loop {
         if let Some(k) = lookup_noting(&mut etcd, &key, pid, &shared).await {
@@ -489,12 +494,13 @@ async fn register_for_child(
         let mut d = lock(shared);
         if d.agent.is_none() {
             let agent = AgentConfig::new(
-                config.endpoints.clone(),
+                config.etcd.endpoints.clone(),
                 config.group.as_str(),
                 u64::from(config.rank),
                 u64::from(config.group_size),
             )
             .map(|mut c| {
+                c.etcd = config.etcd.clone();
                 c.prefix = config.prefix.clone();
                 c.lease_ttl = config.lease_ttl;
                 c.retention = config.retention;
@@ -563,7 +569,7 @@ async fn register_for_child(
 /// before anything registered (a certificate needs an incarnation).
 async fn resolve_incarnation(config: &SuperviseConfig, pid: u32, shared: &Shared) -> Option<Known> {
     let key = Keys::new(&config.prefix).live(&config.group, config.rank);
-    let mut etcd = Etcd::new(config.endpoints.clone());
+    let mut etcd = Etcd::new(config.etcd.clone());
     let (before, have_agent) = {
         let d = lock(shared);
         (d.known.clone(), d.agent.is_some())

@@ -120,7 +120,7 @@ fn down_id(keys: &Keys, key: &[u8]) -> Option<IncarnationId> {
 }
 
 /// Runs until the receiver is dropped.
-pub(crate) async fn run(endpoints: Vec<String>, prefix: String, tx: mpsc::UnboundedSender<SyncMsg>) {
+pub(crate) async fn run(etcd: rootrank_store::EtcdAccess, prefix: String, tx: mpsc::UnboundedSender<SyncMsg>) {
     let keys = Keys::new(&prefix);
     let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(2));
     let mut client: Option<Client> = None;
@@ -131,7 +131,7 @@ pub(crate) async fn run(endpoints: Vec<String>, prefix: String, tx: mpsc::Unboun
         }
         let c = match &client {
             Some(c) => c.clone(),
-            None => match rootrank_store::connect(&endpoints).await {
+            None => match rootrank_store::connect(&etcd).await {
                 Ok(c) => client.insert(c).clone(),
                 Err(e) => {
                     warn!(error = %e, "node watchdog cannot reach etcd; retrying");

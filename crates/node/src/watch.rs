@@ -24,11 +24,13 @@ use crate::metrics::{self, NodeMetrics};
 use crate::pidns::{self, Located};
 use crate::sync::{self, IncarnationId, LiveKv, SyncMsg};
 use crate::NodeError;
+use rootrank_store::EtcdAccess;
 
 /// How `rootrank node-watch` runs.
 #[derive(Clone, Debug)]
 pub struct NodeWatchConfig {
-    pub endpoints: Vec<String>,
+    /// etcd's endpoints and credentials ([`NodeWatchConfig::new`]: plain).
+    pub etcd: EtcdAccess,
     pub prefix: String,
     /// How long certificates are kept (default 600 s, as the agent's records).
     pub retention: Duration,
@@ -49,7 +51,7 @@ pub struct NodeWatchConfig {
 impl NodeWatchConfig {
     pub fn new(endpoints: Vec<String>) -> Self {
         NodeWatchConfig {
-            endpoints,
+            etcd: EtcdAccess::plain(endpoints),
             prefix: "/rootrank/v1".to_string(),
             retention: Duration::from_secs(600),
             supervisor_grace: Duration::from_secs(2),
@@ -88,8 +90,16 @@ struct Report {
 
 /// Runs the watchdog until `shutdown` resolves.
 pub async fn run(config: NodeWatchConfig, shutdown: impl Future<Output = ()>) -> Result<(), NodeError> {
-    if config.endpoints.is_empty() {
+    if config.etcd.endpoints.is_empty() {
         return Err(rootrank_store::StoreError::NoEndpoints.into());
+    }
+    // A refusal (TLS, auth, a role that cannot read the prefix or write a certificate) needs
+    // an operator: stop now. An etcd that is only down is waited for, as ever.
+    let keys = rootrank_core::Keys::new(&config.prefix);
+    match rootrank_store::connect_checked(&config.etcd, &keys.root(), &keys.probe_certificate()).await {
+        Err(e) if e.refusal().is_some() => return Err(e.into()),
+        Err(e) => warn!(error = %e, "etcd is not answering yet; watching once it does"),
+        Ok(_) => {}
     }
     let me = match config.host.clone().or_else(HostIdentity::current) {
         Some(h) => h,
@@ -115,12 +125,12 @@ pub async fn run(config: NodeWatchConfig, shutdown: impl Future<Output = ()>) ->
     });
 
     let (sync_tx, mut sync_rx) = mpsc::unbounded_channel();
-    let sync_task = tokio::spawn(sync::run(config.endpoints.clone(), config.prefix.clone(), sync_tx));
+    let sync_task = tokio::spawn(sync::run(config.etcd.clone(), config.prefix.clone(), sync_tx));
 
     let (report_tx, report_rx) = mpsc::unbounded_channel::<Report>();
     let (written_tx, mut written_rx) = mpsc::unbounded_channel::<IncarnationId>();
     let writer = tokio::spawn(write_reports(
-        CertWriter::new(config.endpoints.clone(), &config.prefix, config.retention),
+        CertWriter::new(config.etcd.clone(), &config.prefix, config.retention),
         report_rx,
         written_tx,
     ));
@@ -269,7 +279,7 @@ impl State {
         let Some(w) = self.watched.get(&key).filter(|w| w.id.2 == s.record.incarnation) else {
             return; // not a process of this host that node-watch verified
         };
-        tokio::spawn(crate::stack::attach(py_spy, w.pid, s, self.config.endpoints.clone()));
+        tokio::spawn(crate::stack::attach(py_spy, w.pid, s, self.config.etcd.clone()));
     }
 
     fn consider(&mut self, l: LiveKv, at_start: bool) {

@@ -15,6 +15,7 @@
 
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
 
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
@@ -111,6 +112,28 @@ fn endpoints_from(py: Python<'_>, value: Option<&Bound<'_, PyAny>>) -> PyResult<
     Ok(endpoints)
 }
 
+/// etcd's credentials: each keyword argument, else its `ROOTRANK_ETCD_*` variable (SPEC
+/// section 7), read and checked now (a missing file or a half pair raises ``ValueError``).
+fn access_from(
+    py: Python<'_>,
+    endpoints: Vec<String>,
+    cacert: Option<PathBuf>,
+    cert: Option<PathBuf>,
+    key: Option<PathBuf>,
+    user: Option<String>,
+    password_file: Option<PathBuf>,
+) -> PyResult<rootrank_agent::EtcdAccess> {
+    let env = rootrank_agent::EtcdCredentialFiles::from_env();
+    let files = rootrank_agent::EtcdCredentialFiles {
+        cacert: cacert.or(env.cacert),
+        cert: cert.or(env.cert),
+        key: key.or(env.key),
+        user: user.or(env.user),
+        password_file: password_file.or(env.password_file),
+    };
+    rootrank_agent::EtcdAccess::new(endpoints, &files).map_err(|e| invalid(py, e.to_string()))
+}
+
 fn peer_from(py: Python<'_>, peer: Option<&Bound<'_, PyDict>>) -> PyResult<Option<Peer>> {
     let Some(d) = peer else { return Ok(None) };
     let text = |key: &str| -> PyResult<Option<String>> {
@@ -196,7 +219,7 @@ impl PyAgent {
 #[pymethods]
 impl PyAgent {
     #[new]
-    #[pyo3(signature = (group, rank, group_size, *, etcd_endpoints=None, prefix=None, lease_ttl_ms=5000, role=None, retention_s=600.0, queue_capacity=10000, host=None, nixl_agent=None, gpu=None, endpoints=None, stall_after_ms=None))]
+    #[pyo3(signature = (group, rank, group_size, *, etcd_endpoints=None, prefix=None, lease_ttl_ms=5000, role=None, retention_s=600.0, queue_capacity=10000, host=None, nixl_agent=None, gpu=None, endpoints=None, stall_after_ms=None, etcd_cacert=None, etcd_cert=None, etcd_key=None, etcd_user=None, etcd_password_file=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -214,8 +237,22 @@ impl PyAgent {
         gpu: Option<String>,
         endpoints: Option<Vec<String>>,
         stall_after_ms: Option<i64>,
+        etcd_cacert: Option<PathBuf>,
+        etcd_cert: Option<PathBuf>,
+        etcd_key: Option<PathBuf>,
+        etcd_user: Option<String>,
+        etcd_password_file: Option<PathBuf>,
     ) -> PyResult<Self> {
         let etcd = endpoints_from(py, etcd_endpoints)?;
+        let access = access_from(
+            py,
+            etcd.clone(),
+            etcd_cacert,
+            etcd_cert,
+            etcd_key,
+            etcd_user,
+            etcd_password_file,
+        )?;
         let (rank_u, size_u) = match (u64::try_from(rank), u64::try_from(group_size)) {
             (Ok(r), Ok(s)) => (r, s),
             _ => {
@@ -226,6 +263,7 @@ impl PyAgent {
             }
         };
         let mut config = AgentConfig::new(etcd, group, rank_u, size_u).map_err(|e| agent_error(py, e))?;
+        config.etcd = access;
         config.prefix = prefix
             .or_else(|| std::env::var("ROOTRANK_PREFIX").ok().filter(|p| !p.is_empty()))
             .unwrap_or_else(|| DEFAULT_PREFIX.to_string());
@@ -419,6 +457,14 @@ impl PyAgent {
         self.current().and_then(|a| a.registration_refused())
     }
 
+    /// Why etcd refuses this agent, while it does (a TLS handshake it fails, a wrong user or
+    /// password, a role without a key it writes), or ``None``. Logged once; the agent keeps
+    /// retrying quietly, so fixing the credentials or role needs no restart.
+    #[getter]
+    fn etcd_error(&self) -> Option<String> {
+        self.current().and_then(|a| a.etcd_refused())
+    }
+
     /// Records dropped because the queue was full (etcd unreachable for long).
     #[getter]
     fn dropped(&self) -> u64 {
@@ -499,7 +545,7 @@ fn classify_fatal(traceback: &str) -> &'static str {
 /// Returns ``[(group, rank), ...]`` certified. Waits at most ``timeout_s`` (the GIL released);
 /// raises ``RootrankError`` when etcd does not take it in time.
 #[pyfunction]
-#[pyo3(signature = (pid, *, exit_code=None, signal=None, detail="", rooms=None, etcd_endpoints=None, prefix=None, timeout_s=2.0))]
+#[pyo3(signature = (pid, *, exit_code=None, signal=None, detail="", rooms=None, etcd_endpoints=None, prefix=None, timeout_s=2.0, etcd_cacert=None, etcd_cert=None, etcd_key=None, etcd_user=None, etcd_password_file=None))]
 #[allow(clippy::too_many_arguments)]
 fn certify_exited(
     py: Python<'_>,
@@ -511,6 +557,11 @@ fn certify_exited(
     etcd_endpoints: Option<&Bound<'_, PyAny>>,
     prefix: Option<String>,
     timeout_s: f64,
+    etcd_cacert: Option<PathBuf>,
+    etcd_cert: Option<PathBuf>,
+    etcd_key: Option<PathBuf>,
+    etcd_user: Option<String>,
+    etcd_password_file: Option<PathBuf>,
 ) -> PyResult<Vec<(String, u32)>> {
     let rooms = rooms
         .unwrap_or_default()
@@ -527,6 +578,15 @@ fn certify_exited(
         .filter(|p| *p > 0)
         .ok_or_else(|| invalid(py, format!("pid {pid} is not a process id")))?;
     let endpoints = endpoints_from(py, etcd_endpoints)?;
+    let access = access_from(
+        py,
+        endpoints,
+        etcd_cacert,
+        etcd_cert,
+        etcd_key,
+        etcd_user,
+        etcd_password_file,
+    )?;
     let prefix = prefix
         .or_else(|| std::env::var("ROOTRANK_PREFIX").ok().filter(|p| !p.is_empty()))
         .unwrap_or_else(|| DEFAULT_PREFIX.to_string());
@@ -549,7 +609,7 @@ fn certify_exited(
     let dispatch = log_dispatch();
     py.detach(move || {
         tracing::dispatcher::with_default(&dispatch, || {
-            rootrank_agent::exited::certify_exited(endpoints, &prefix, &exited, timeout)
+            rootrank_agent::exited::certify_exited(access, &prefix, &exited, timeout)
         })
     })
     .map(|ranks| ranks.into_iter().map(|(g, r)| (g.to_string(), r)).collect())

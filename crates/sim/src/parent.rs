@@ -54,6 +54,8 @@ pub struct SimConfig {
     /// The `rootrank` binary (it is re-run as `rootrank sim-rank`).
     pub exe: PathBuf,
     pub etcd_endpoints: Vec<String>,
+    /// etcd's credentials; the ranks get them as `ROOTRANK_ETCD_*` in their environment.
+    pub etcd_files: rootrank_store::EtcdCredentialFiles,
     pub prefix: String,
     pub coordinator: Option<String>,
     pub prefill_group: String,
@@ -220,7 +222,8 @@ fn spawn_rank(config: &SimConfig, opts: &RankOpts) -> Result<Child, SimError> {
         .arg(json)
         .stdin(Stdio::null())
         .stdout(log.try_clone()?)
-        .stderr(log);
+        .stderr(log)
+        .envs(config.etcd_files.to_env());
     if std::env::var_os("ROOTRANK_LOG").is_none() {
         cmd.env("ROOTRANK_LOG", "info");
     }
@@ -289,7 +292,9 @@ pub async fn run(
     std::fs::create_dir_all(&config.log_dir)?;
     let listener = TcpListener::bind("127.0.0.1:0").await?;
     let hub = listener.local_addr()?.to_string();
-    let etcd = rootrank_store::connect(&config.etcd_endpoints).await?;
+    let access = rootrank_store::EtcdAccess::new(config.etcd_endpoints.clone(), &config.etcd_files)
+        .map_err(rootrank_store::StoreError::from)?;
+    let etcd = rootrank_store::connect(&access).await?;
 
     let mut children = Children { procs: Vec::new() };
     let mut rank_opts: HashMap<(Role, u32), RankOpts> = HashMap::new();

@@ -45,6 +45,12 @@ fn agent_config(opts: &RankOpts) -> Result<AgentConfig, SimError> {
         u64::from(opts.rank),
         u64::from(opts.group_size),
     )?;
+    // The parent passes etcd's credential files in the environment (see `spawn_rank`).
+    c.etcd = rootrank_store::EtcdAccess::new(
+        opts.etcd_endpoints.clone(),
+        &rootrank_store::EtcdCredentialFiles::from_env(),
+    )
+    .map_err(rootrank_store::StoreError::from)?;
     c.prefix = opts.prefix.clone();
     c.role = Some(opts.role.as_str().to_string());
     c.lease_ttl = Duration::from_millis(opts.lease_ttl_ms);
@@ -118,7 +124,8 @@ fn prefill(lib: &NixlLibrary, opts: &RankOpts) -> Result<(), SimError> {
     let peer = PeerRef::new(&opts.peer_group, opts.rank);
     agent.connect_peer(&peer, START_WITHIN)?;
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-    let http = reqwest::Client::builder()
+    let http = rootrank_tls::http_client(None)
+        .map_err(|e| SimError::Sim(e.to_string()))?
         .timeout(Duration::from_millis(opts.verdict_wait_ms + 5_000))
         .build()
         .map_err(|e| SimError::Sim(format!("HTTP client: {e}")))?;

@@ -27,7 +27,9 @@ fn config(etcd: &str, group: &str, rank: u64) -> AgentConfig {
 
 fn record(etcd: &str, rt: &tokio::runtime::Runtime, room: u64) -> serde_json::Value {
     rt.block_on(async {
-        let mut c = rootrank_store::connect(&[etcd.to_string()]).await.expect("client");
+        let mut c = rootrank_store::connect(&rootrank_store::EtcdAccess::plain(vec![etcd.to_string()]))
+            .await
+            .expect("client");
         let key = format!("/rootrank/v1/groups/prefill-0/rooms/{room}/ranks/1");
         for _ in 0..3000 {
             let resp = c.get(key.as_str(), None).await.expect("get");

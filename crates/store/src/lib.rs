@@ -15,12 +15,14 @@
 //! - [`embedded`]: a private etcd process, for `rootrank serve` on one machine and for tests.
 
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
+mod access;
 pub mod embedded;
 mod retained;
 mod silence;
 mod snapshot;
 
-pub use retained::{LazyClient, Retained, RetainedWriter, WriteError, Written};
+pub use access::{AccessError, EtcdAccess, EtcdCredentialFiles};
+pub use retained::{LazyClient, RefusalSink, Retained, RetainedWriter, WriteError, Written};
 pub use silence::{Silence, SilenceAction, PROGRESS_EVERY, SILENT_LIMIT};
 
 /// The I/O side of [`Silence`] for one watch: sleeps until its deadline and acts on it (asks
@@ -55,8 +57,16 @@ pub enum StoreError {
         #[source]
         source: etcd_client::Error,
     },
+    #[error("etcd at {endpoints} refused us ({identity}): {refusal}")]
+    Refused {
+        endpoints: String,
+        identity: String,
+        refusal: Refusal,
+    },
     #[error("no etcd endpoints given: pass --etcd-endpoints URL[,URL...] or set ROOTRANK_ETCD_ENDPOINTS")]
     NoEndpoints,
+    #[error(transparent)]
+    Access(#[from] AccessError),
 }
 
 impl StoreError {
@@ -66,16 +76,105 @@ impl StoreError {
             source,
         }
     }
+
+    /// `source` as what it is: a refusal (TLS, auth, permission: retrying will not help, the
+    /// operator must act) or an outage.
+    pub fn from_etcd(access: &EtcdAccess, source: etcd_client::Error) -> Self {
+        match Refusal::of(&source) {
+            Some(refusal) => StoreError::Refused {
+                endpoints: access.endpoints.join(","),
+                identity: access.identity(),
+                refusal,
+            },
+            None => StoreError::etcd(&access.endpoints, source),
+        }
+    }
+
+    /// The refusal, when etcd refused rather than failed.
+    pub fn refusal(&self) -> Option<&Refusal> {
+        match self {
+            StoreError::Refused { refusal, .. } => Some(refusal),
+            _ => None,
+        }
+    }
+}
+
+/// etcd said no to who we are, not "try later": retrying cannot help, so callers stop (serve,
+/// node-watch) or say it once (the agent) instead of retrying silently.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Refusal {
+    #[error("the TLS handshake failed: {0}. Check --etcd-cacert (the CA that signed etcd's server certificate, whose names must include the endpoint's host) and --etcd-cert/--etcd-key (a client certificate etcd's --trusted-ca-file signed, not expired)")]
+    Tls(String),
+    #[error("authentication failed: {0}. Check --etcd-user and --etcd-password-file")]
+    Auth(String),
+    #[error(
+        "permission denied: {0}. The etcd user lacks a role this component needs (README, Production: the least roles)"
+    )]
+    Permission(String),
+}
+
+impl Refusal {
+    /// Classifies by gRPC code and by the TLS error in the transport error's chain; never by
+    /// message text.
+    pub fn of(e: &etcd_client::Error) -> Option<Refusal> {
+        use tonic::Code;
+        match e {
+            etcd_client::Error::GRpcStatus(s) => match s.code() {
+                Code::PermissionDenied => Some(Refusal::Permission(s.message().to_string())),
+                Code::Unauthenticated => Some(Refusal::Auth(s.message().to_string())),
+                // etcd answers a bad user or password, and a user given to an etcd without
+                // auth, with these codes from the Authenticate call.
+                Code::InvalidArgument | Code::FailedPrecondition if is_auth_message(s.message()) => {
+                    Some(Refusal::Auth(s.message().to_string()))
+                }
+                // A failed handshake comes back as Unavailable with the transport error as
+                // its source.
+                _ => tls_error_in(s).map(Refusal::Tls),
+            },
+            other => tls_error_in(other).map(Refusal::Tls),
+        }
+    }
+}
+
+/// etcd's Authenticate errors share their gRPC codes with unrelated ones (InvalidArgument is
+/// also "request too large"); these are etcd's own fixed texts for them (rpctypes).
+fn is_auth_message(m: &str) -> bool {
+    m.starts_with("etcdserver: authentication")
+        || m.starts_with("etcdserver: user name")
+        || m.starts_with("etcdserver: invalid auth token")
+}
+
+/// The rustls error somewhere in `e`'s source chain (an io::Error wrapping it included).
+fn tls_error_in(e: &(dyn std::error::Error + 'static)) -> Option<String> {
+    let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(err) = cur {
+        if let Some(t) = err.downcast_ref::<rustls::Error>() {
+            return Some(t.to_string());
+        }
+        if let Some(io) = err.downcast_ref::<std::io::Error>() {
+            if let Some(inner) = io.get_ref() {
+                if let Some(t) = inner.downcast_ref::<rustls::Error>() {
+                    return Some(t.to_string());
+                }
+                if let Some(found) = tls_error_in(inner) {
+                    return Some(found);
+                }
+            }
+        }
+        cur = err.source();
+    }
+    None
 }
 
 /// How long one etcd request may take before it is retried. Short, because a member that is
 /// down answers nothing, and the agent and coordinator must move on to the next attempt.
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// A client for `endpoints`. Connecting is lazy in spirit: the returned client reconnects by
-/// itself; an error here means no endpoint answered within the connect timeout.
-pub async fn connect(endpoints: &[String]) -> Result<Client, StoreError> {
-    if endpoints.is_empty() {
+/// A client for `access`. Connecting is lazy in spirit: the returned client reconnects by
+/// itself; an error here means no endpoint answered within the connect timeout, or one
+/// refused who we are ([`StoreError::Refused`]).
+pub async fn connect(access: &EtcdAccess) -> Result<Client, StoreError> {
+    if access.endpoints.is_empty() {
         return Err(StoreError::NoEndpoints);
     }
     let opts = ConnectOptions::new()
@@ -83,9 +182,53 @@ pub async fn connect(endpoints: &[String]) -> Result<Client, StoreError> {
         .with_timeout(REQUEST_TIMEOUT)
         .with_keep_alive(Duration::from_secs(5), Duration::from_secs(2))
         .with_keep_alive_while_idle(true);
-    Client::connect(endpoints, Some(opts))
-        .await
-        .map_err(|e| StoreError::etcd(endpoints, e))
+    match Client::connect(&access.endpoints, Some(access.apply(opts))).await {
+        Ok(c) => Ok(c),
+        Err(e) => Err(classify(access, e).await),
+    }
+}
+
+/// [`StoreError::from_etcd`], and when TLS is configured and the error says nothing clear
+/// (a closed connection), a look for the TLS alert behind it ([`EtcdAccess::diagnose_tls`]).
+pub async fn classify(access: &EtcdAccess, e: etcd_client::Error) -> StoreError {
+    match StoreError::from_etcd(access, e) {
+        StoreError::Etcd { endpoints, source } if access.uses_tls() => match access.diagnose_tls().await {
+            Some(alert) => StoreError::Refused {
+                endpoints,
+                identity: access.identity(),
+                refusal: Refusal::Tls(alert),
+            },
+            None => StoreError::Etcd { endpoints, source },
+        },
+        other => other,
+    }
+}
+
+/// [`connect`], then one read of `prefix` and one write probe of `write_key` that etcd checks
+/// for permission but never applies (a transaction whose condition cannot hold): start-up
+/// learns of a wrong certificate, password or role within a second, and nothing is written.
+pub async fn connect_checked(access: &EtcdAccess, prefix: &str, write_key: &str) -> Result<Client, StoreError> {
+    let mut client = connect(access).await?;
+    let probe = async {
+        client
+            .get(
+                prefix,
+                Some(GetOptions::new().with_prefix().with_keys_only().with_limit(1)),
+            )
+            .await?;
+        let never = Txn::new()
+            .when([Compare::create_revision(write_key, CompareOp::Less, 0)])
+            .and_then([TxnOp::put(write_key, "", None)]);
+        client.txn(never).await
+    };
+    match tokio::time::timeout(REQUEST_TIMEOUT * 2, probe).await {
+        Ok(Ok(_)) => Ok(client),
+        Ok(Err(e)) => Err(classify(access, e).await),
+        Err(_) => Err(StoreError::Etcd {
+            endpoints: access.endpoints.join(","),
+            source: etcd_client::Error::InvalidArgs("no answer to the start-up read within 4 s".into()),
+        }),
+    }
 }
 
 /// Writes `value` at `key` only if the key does not exist. Returns whether it was written.

@@ -7,37 +7,38 @@ use std::time::{Duration, Instant};
 
 use etcd_client::Client;
 use rootrank_core::RankDown;
-use tracing::{debug, warn};
+use tracing::{debug, error, warn};
 
 use crate::{Backoff, RetentionLeases, StoreError};
 
 /// A client that connects on first use, so a writer started while etcd is down still writes
 /// once it is back. etcd-client reconnects a connected client by itself.
 pub struct LazyClient {
-    endpoints: Vec<String>,
+    access: crate::EtcdAccess,
     client: Option<Client>,
 }
 
 impl LazyClient {
-    pub fn new(endpoints: Vec<String>) -> Self {
-        LazyClient {
-            endpoints,
-            client: None,
-        }
+    pub fn new(access: crate::EtcdAccess) -> Self {
+        LazyClient { access, client: None }
     }
 
     /// Starts from an already connected client.
-    pub fn connected(endpoints: Vec<String>, client: Client) -> Self {
+    pub fn connected(access: crate::EtcdAccess, client: Client) -> Self {
         LazyClient {
-            endpoints,
+            access,
             client: Some(client),
         }
+    }
+
+    pub fn access(&self) -> &crate::EtcdAccess {
+        &self.access
     }
 
     /// The client, connecting first if needed.
     pub async fn client(&mut self) -> Result<&mut Client, StoreError> {
         if self.client.is_none() {
-            self.client = Some(crate::connect(&self.endpoints).await?);
+            self.client = Some(crate::connect(&self.access).await?);
         }
         self.client.as_mut().ok_or(StoreError::NoEndpoints)
     }
@@ -91,14 +92,24 @@ pub enum WriteError {
     /// etcd answered that this request is invalid (e.g. larger than its request limit).
     #[error("etcd rejected the write for good: {0}")]
     Permanent(String),
+    /// etcd refused who we are (TLS, auth, a role without this key): retried, since an
+    /// operator can fix it, but said at once and loudly.
+    #[error("etcd refused the write ({identity}): {refusal}")]
+    Refused { identity: String, refusal: crate::Refusal },
 }
 
 impl WriteError {
     /// gRPC `InvalidArgument`, `OutOfRange`, `Unimplemented`, and a message over the gRPC size
     /// limit are answers about the request itself; everything else may pass on a retry
     /// (including `ResourceExhausted` for a full etcd, which an operator can mend).
-    pub fn classify(e: &etcd_client::Error) -> WriteError {
+    pub fn classify(e: &etcd_client::Error, access: &crate::EtcdAccess) -> WriteError {
         use etcd_client::Error as E;
+        if let Some(refusal) = crate::Refusal::of(e) {
+            return WriteError::Refused {
+                identity: access.identity(),
+                refusal,
+            };
+        }
         let message = e.to_string();
         let permanent = match e {
             E::GRpcStatus(status) => {
@@ -126,7 +137,14 @@ pub struct RetainedWriter {
     backoff: Backoff,
     retries: u64,
     rejected: u64,
+    /// The refusal said last (said once until a write gets through or it changes).
+    refused: Option<String>,
+    /// Told of every change of `refused` (an agent shows it to its host while it lasts).
+    on_refused: Option<RefusalSink>,
 }
+
+/// See [`RetainedWriter::on_refused`].
+pub type RefusalSink = std::sync::Arc<dyn Fn(Option<String>) + Send + Sync>;
 
 impl RetainedWriter {
     pub fn new(etcd: LazyClient, retention: Duration) -> Self {
@@ -136,7 +154,29 @@ impl RetainedWriter {
             backoff: Backoff::new(Duration::from_millis(20), Duration::from_secs(1)),
             retries: 0,
             rejected: 0,
+            refused: None,
+            on_refused: None,
         }
+    }
+
+    /// Calls `sink` when etcd starts refusing our writes (with why) and when it takes one again.
+    pub fn on_refused(mut self, sink: RefusalSink) -> Self {
+        self.on_refused = Some(sink);
+        self
+    }
+
+    fn set_refused(&mut self, now: Option<String>) {
+        if self.refused != now {
+            if let Some(sink) = &self.on_refused {
+                sink(now.clone());
+            }
+            self.refused = now;
+        }
+    }
+
+    /// Why etcd refuses our writes, while it does (TLS, auth or permission).
+    pub fn refused(&self) -> Option<&str> {
+        self.refused.as_deref()
     }
 
     /// Failed attempts so far (each was retried).
@@ -161,16 +201,16 @@ impl RetainedWriter {
 
     /// A client and the current retention lease, for one attempt.
     async fn ready(&mut self) -> Result<(&mut Client, i64), WriteError> {
-        let c = self
-            .etcd
-            .client()
-            .await
-            .map_err(|e| WriteError::Transient(e.to_string()))?;
+        let access = self.etcd.access().clone();
+        let c = self.etcd.client().await.map_err(|e| match e {
+            StoreError::Refused { identity, refusal, .. } => WriteError::Refused { identity, refusal },
+            other => WriteError::Transient(other.to_string()),
+        })?;
         let lease = self
             .retention
             .lease(c)
             .await
-            .map_err(|e| WriteError::Transient(e.to_string()))?;
+            .map_err(|e| WriteError::classify(&e, &access))?;
         Ok((c, lease))
     }
 
@@ -180,7 +220,7 @@ impl RetainedWriter {
             // etcd lost or expired the lease (e.g. it was down longer than the lease's TTL).
             self.retention.invalidate();
         }
-        WriteError::classify(e)
+        WriteError::classify(e, self.etcd.access())
     }
 
     async fn attempt(&mut self, what: Retained<'_>) -> Result<bool, WriteError> {
@@ -210,7 +250,13 @@ impl RetainedWriter {
     ) -> bool {
         *attempts += 1;
         self.retries += 1;
-        if *attempts == 3 {
+        if let WriteError::Refused { .. } = e {
+            let text = e.to_string();
+            if self.refused.as_deref() != Some(text.as_str()) {
+                error!(error = %e, key, "{what} refused by etcd; retrying quietly until an operator fixes the credentials or role");
+                self.set_refused(Some(text));
+            }
+        } else if *attempts == 3 {
             warn!(error = %e, key, "{what} not written yet; retrying until etcd takes it");
         } else {
             debug!(error = %e, key, "{what} not written yet; retrying");
@@ -273,6 +319,7 @@ impl RetainedWriter {
             match self.attempt_records(batch).await {
                 Ok(written) => {
                     self.backoff.reset();
+                    self.set_refused(None);
                     return Some(
                         written
                             .into_iter()
@@ -312,6 +359,7 @@ impl RetainedWriter {
             match self.attempt(what).await {
                 Ok(written) => {
                     self.backoff.reset();
+                    self.set_refused(None);
                     return if written { Written::Yes } else { Written::AlreadyThere };
                 }
                 Err(e @ WriteError::Permanent(_)) => {

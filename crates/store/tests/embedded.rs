@@ -35,7 +35,9 @@ fn an_etcd_that_exits_at_start_up_names_its_reason() {
 async fn etcd_errors_are_classified_by_their_grpc_code() {
     let dir = tempfile::tempdir().expect("tempdir");
     let etcd = EmbeddedEtcd::start(dir.path(), &EtcdOptions::default()).expect("etcd starts");
-    let mut c = rootrank_store::connect(&[etcd.endpoint()]).await.expect("connect");
+    let mut c = rootrank_store::connect(&rootrank_store::EtcdAccess::plain(vec![etcd.endpoint()]))
+        .await
+        .expect("connect");
     let lease = c.lease_grant(5, None).await.expect("grant").id();
     c.lease_revoke(lease).await.expect("revoke");
     let gone = c

@@ -231,6 +231,18 @@ pub struct Rank {
 
 impl Rank {
     pub fn start(endpoint: &str, group: &str, rank: u32, size: u32, lease_ttl_ms: u64) -> anyhow::Result<Rank> {
+        Rank::start_with(endpoint, group, rank, size, lease_ttl_ms, &[])
+    }
+
+    /// With more `rootrank rank` flags (e.g. etcd credentials).
+    pub fn start_with(
+        endpoint: &str,
+        group: &str,
+        rank: u32,
+        size: u32,
+        lease_ttl_ms: u64,
+        extra: &[String],
+    ) -> anyhow::Result<Rank> {
         let mut child = Command::new(rootrank_bin())
             .args([
                 "rank",
@@ -244,6 +256,7 @@ impl Rank {
                 &size.to_string(),
             ])
             .args(["--lease-ttl-ms", &lease_ttl_ms.to_string()])
+            .args(extra)
             .env("ROOTRANK_LOG", "warn")
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -325,7 +338,9 @@ impl Drop for Rank {
 
 /// GET a URL: (status, body as JSON, or as a JSON string when it is not JSON).
 pub async fn get(url: &str) -> anyhow::Result<(u16, serde_json::Value)> {
-    let client = reqwest::Client::builder().timeout(Duration::from_secs(40)).build()?;
+    let client = rootrank_tls::http_client(None)?
+        .timeout(Duration::from_secs(40))
+        .build()?;
     let resp = client.get(url).send().await?;
     let status = resp.status().as_u16();
     let text = resp.text().await?;
@@ -336,7 +351,9 @@ pub async fn get(url: &str) -> anyhow::Result<(u16, serde_json::Value)> {
 /// `GET http://ADDR/metrics`: the text exposition, an error unless it is a 200 in the
 /// Prometheus text format.
 pub async fn scrape_metrics(addr: &str) -> anyhow::Result<String> {
-    let client = reqwest::Client::builder().timeout(Duration::from_secs(10)).build()?;
+    let client = rootrank_tls::http_client(None)?
+        .timeout(Duration::from_secs(10))
+        .build()?;
     let resp = client.get(format!("http://{addr}/metrics")).send().await?;
     let status = resp.status().as_u16();
     let content_type = resp

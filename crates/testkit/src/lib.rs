@@ -10,7 +10,8 @@
 //! - [`harness`]: real etcd processes on random loopback ports, real coordinator and rank
 //!   processes, HTTP helpers and [`eventually`];
 //! - [`node`]: a `rootrank node-watch` process and reads of live records and certificates;
-//! - [`pd`]: `rootrank simulate` runs and reads of room records.
+//! - [`pd`]: `rootrank simulate` runs and reads of room records;
+//! - [`pki`]: certificates made with openssl, etcd with TLS or with auth and least roles.
 //!
 //! Every process is killed when its handle drops, so a failing test leaves nothing behind.
 
@@ -26,6 +27,8 @@ pub mod harness;
 pub mod node;
 #[cfg(feature = "etcd")]
 pub mod pd;
+#[cfg(feature = "etcd")]
+pub mod pki;
 
 pub use cgroup::MemoryCgroup;
 pub use nixl::nixl_dir;

@@ -93,7 +93,7 @@ impl Drop for NodeWatch {
 }
 
 pub async fn client(endpoint: &str) -> anyhow::Result<Client> {
-    Ok(rootrank_store::connect(&[endpoint.to_string()]).await?)
+    Ok(rootrank_store::connect(&rootrank_store::EtcdAccess::plain(vec![endpoint.to_string()])).await?)
 }
 
 /// One stored key: its value as JSON and how many times it was written.

@@ -69,7 +69,7 @@ pub async fn simulate(etcd: &str, log_dir: &Path, args: &[&str]) -> anyhow::Resu
 
 /// The RoomFailure `rank` of `group` wrote for `room`, read straight from etcd.
 pub async fn room_record(etcd: &str, group: &str, room: &str, rank: u32) -> anyhow::Result<Option<Value>> {
-    let mut c = rootrank_store::connect(&[etcd.to_string()]).await?;
+    let mut c = rootrank_store::connect(&rootrank_store::EtcdAccess::plain(vec![etcd.to_string()])).await?;
     let key = format!("/rootrank/v1/groups/{group}/rooms/{room}/ranks/{rank}");
     let resp = c.get(key, None).await?;
     resp.kvs()
@@ -80,7 +80,7 @@ pub async fn room_record(etcd: &str, group: &str, room: &str, rank: u32) -> anyh
 
 /// The pids in the live records of `group` (ranks register with their pids).
 pub async fn live_pids(etcd: &str, group: &str) -> anyhow::Result<Vec<u32>> {
-    let mut c = rootrank_store::connect(&[etcd.to_string()]).await?;
+    let mut c = rootrank_store::connect(&rootrank_store::EtcdAccess::plain(vec![etcd.to_string()])).await?;
     let prefix = format!("/rootrank/v1/groups/{group}/ranks/");
     let resp = c
         .get(

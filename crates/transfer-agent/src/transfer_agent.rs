@@ -134,8 +134,8 @@ impl RankAgent {
             pid: Some(config.pid),
         };
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-        let endpoints = config.endpoints.clone();
-        let etcd = rt.block_on(rootrank_store::connect(&endpoints))?;
+        let endpoints = config.etcd.endpoints.clone();
+        let etcd = rt.block_on(rootrank_store::connect(&config.etcd))?;
         let keys = Keys::new(&config.prefix);
         config.nixl_agent = Some(name.clone());
         let agent = Agent::start(config)?;

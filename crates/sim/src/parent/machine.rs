@@ -712,6 +712,7 @@ mod tests {
         SimConfig {
             exe: "rootrank".into(),
             etcd_endpoints: vec![],
+            etcd_files: Default::default(),
             prefix: "/p/".into(),
             coordinator: None,
             prefill_group: "pre".into(),
