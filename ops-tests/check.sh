@@ -171,14 +171,27 @@ check_alerts-unit() { (cd "$1/dashboards" && promtool test rules alerts.test.yml
 check_hadolint() { "$HADOLINT" --no-color --failure-threshold style "$1/docker/Dockerfile"; }
 check_compose() {
     docker-compose -f "$1/docker/docker-compose.yml" config -q \
-        && docker-compose -f "$1/docker/docker-compose.yml" --profile grafana config -q
+        && docker-compose -f "$1/docker/docker-compose.yml" --profile grafana config -q \
+        && docker-compose -f "$1/docker/docker-compose.yml" -f "$1/docker/docker-compose.secure.yml" config -q
 }
 # Prometheus config as the container sees it: mounts mirrored from the compose file, so the
 # alert rules it loads are the ones promtool checks; scrape target wired to the coordinator.
+# Both stacks: the base one, and the secure overlay (HTTPS, bearer token; the secrets it reads
+# are stand-in files here, as the operator provides them).
 check_prometheus-config() {
+    local rc=0 overlay
+    for overlay in "" "$1/docker/docker-compose.secure.yml"; do
+        prometheus_config_of "$1" "$overlay" || rc=1
+    done
+    return $rc
+}
+prometheus_config_of() {
     local tmp; tmp="$(mktemp -d)" || return 1
-    docker-compose -f "$1/docker/docker-compose.yml" --profile grafana config >"$tmp/compose.yml" \
+    local files=(-f "$1/docker/docker-compose.yml")
+    if [[ -n "$2" ]]; then files+=(-f "$2"); fi
+    docker-compose "${files[@]}" --profile grafana config >"$tmp/compose.yml" \
         && "$PY" "$REPO/ops-tests/opslint.py" prom-wiring "$tmp/compose.yml" "$tmp/etc-prometheus" \
+        && mkdir -p "$tmp/etc-prometheus/secrets" && touch "$tmp/etc-prometheus/secrets/ca.crt" "$tmp/etc-prometheus/secrets/token" \
         && promtool check config "$tmp/etc-prometheus/prometheus.yml" >"$tmp/out" 2>&1
     local rc=$?
     cat "$tmp/out" 2>/dev/null

@@ -227,3 +227,58 @@ async fn four_thousand_ranks_render_without_freezing_the_page() {
     .unwrap()
     .unwrap();
 }
+
+/// A coordinator that wants a bearer token: the page asks for it once (no data before), keeps
+/// it for the tab, and then shows the groups.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_page_asks_for_the_token_once_then_shows_the_groups() {
+    let etcd = Etcd::start().unwrap();
+    let ep = etcd.endpoint();
+    let dir = tempfile::tempdir().unwrap();
+    let token = dir.path().join("token");
+    std::fs::write(&token, "page-t0ken\n").unwrap();
+    let token_arg = token.display().to_string();
+    let coord = Coordinator::start(&ep, &["--auth-token-file", &token_arg])
+        .await
+        .unwrap();
+    let _ranks: Vec<Rank> = (0..2)
+        .map(|r| Rank::start(&ep, "tok-0", r, 2, 1_000).unwrap())
+        .collect();
+    let url = coord.url.clone();
+    tokio::task::spawn_blocking(move || -> anyhow::Result<()> {
+        let mut b = Browser::start(1280, 800)?;
+        b.navigate(&url)?;
+        b.wait_for(
+            "(document.getElementById('auth') || {hidden: true}).hidden === false",
+            Duration::from_secs(20),
+            "the token form",
+        )?;
+        assert_eq!(
+            b.eval("document.querySelectorAll('.group').length")?,
+            0,
+            "no data without the token"
+        );
+        // A wrong token is refused and asked for again.
+        b.eval("document.getElementById('token').value = 'wrong'; document.getElementById('auth').requestSubmit(); 1")?;
+        b.wait_for(
+            "document.getElementById('auth-error').textContent.includes('refused')",
+            Duration::from_secs(20),
+            "the refusal",
+        )?;
+        b.eval(
+            "document.getElementById('token').value = 'page-t0ken'; document.getElementById('auth').requestSubmit(); 1",
+        )?;
+        b.wait_for(
+            "[...document.querySelectorAll('.cell')].filter(c => c.dataset.state === 'live').length === 2",
+            Duration::from_secs(20),
+            "the group's two live ranks",
+        )?;
+        assert_eq!(b.eval("document.getElementById('auth').hidden")?, true);
+        assert_eq!(b.eval("sessionStorage.getItem('rootrank-token')")?, "page-t0ken");
+        artifact("operator-page-token.png", &b.screenshot()?);
+        Ok(())
+    })
+    .await
+    .unwrap()
+    .unwrap();
+}

@@ -110,11 +110,15 @@ fn stop_unconnected(mut rx: mpsc::Receiver<Command>, shared: &Shared) {
         }
     }
     shared.stats.dropped.fetch_add(lost, Ordering::Relaxed);
-    warn!(
-        lost,
-        refused = shared.etcd_refused.lock().ok().and_then(|r| r.clone()),
-        "agent shut down before etcd ever answered; its queued records were not published"
-    );
+    let refused = shared.etcd_refused.lock().ok().and_then(|r| r.clone());
+    if lost > 0 {
+        warn!(
+            lost,
+            refused, "agent shut down before etcd ever answered; its queued records were not published"
+        );
+    } else {
+        info!(refused, "agent shut down before etcd ever answered");
+    }
 }
 
 /// Says a refusal from one of the liveness loop's requests once, and whether it was one.

@@ -62,7 +62,7 @@ async fn authorize(State(shared): State<Arc<Shared>>, req: Request, next: Next) 
     if allowed {
         return next.run(req).await;
     }
-    shared.metrics.http_unauthorized.inc();
+    // Counted as rootrank_http_request_duration_seconds{status="401"} by `observe` (outside).
     let mut resp = ApiError::new(
         StatusCode::UNAUTHORIZED,
         "unauthorized",

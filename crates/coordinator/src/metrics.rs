@@ -20,8 +20,7 @@ pub struct Metrics {
     pub http_duration: HistogramVec,
     pub http_connections: IntGauge,
     pub http_connections_refused: IntCounter,
-    /// Requests turned away for a missing or wrong bearer token.
-    pub http_unauthorized: IntCounter,
+
     pub rank_stalled: IntGaugeVec,
     pub events_readers: IntGauge,
     /// One scrape at a time refills and gathers the index-derived gauges: two Prometheus
@@ -93,10 +92,6 @@ impl Metrics {
             "rootrank_http_connections_refused_total",
             "HTTP connections closed on arrival because --max-connections were open",
         )?;
-        let http_unauthorized = IntCounter::new(
-            "rootrank_http_unauthorized_total",
-            "Requests answered 401 for a missing or wrong bearer token (--auth-token-file)",
-        )?;
         let rank_stalled = IntGaugeVec::new(
             Opts::new(
                 "rootrank_rank_stalled",
@@ -109,7 +104,6 @@ impl Metrics {
         registry.register(Box::new(events_readers.clone()))?;
         registry.register(Box::new(http_connections.clone()))?;
         registry.register(Box::new(http_connections_refused.clone()))?;
-        registry.register(Box::new(http_unauthorized.clone()))?;
         registry.register(Box::new(root_causes.clone()))?;
         registry.register(Box::new(verdicts.clone()))?;
         registry.register(Box::new(failure_records.clone()))?;
@@ -139,7 +133,6 @@ impl Metrics {
             http_duration,
             http_connections,
             http_connections_refused,
-            http_unauthorized,
             rank_stalled,
             events_readers,
             render_lock: std::sync::Mutex::new(()),

@@ -33,7 +33,14 @@ class Agent:
         gpu: str | None = None,
         endpoints: Sequence[str] | None = None,
         stall_after_ms: int | None = None,
-    ) -> None: ...
+        etcd_cacert: str | None = None,
+        etcd_cert: str | None = None,
+        etcd_key: str | None = None,
+        etcd_user: str | None = None,
+        etcd_password_file: str | None = None,
+    ) -> None:
+        """etcd_* (each defaulting to its ROOTRANK_ETCD_* variable): TLS to https://
+        endpoints (the CA, an optional client certificate and key) and etcd's user auth."""
     def record_failure(
         self,
         room: int,
@@ -60,6 +67,9 @@ class Agent:
     @property
     def registration_error(self) -> str | None:
         """Why the rank is not registered (another live process holds its live key), or None."""
+    @property
+    def etcd_error(self) -> str | None:
+        """Why etcd refuses this agent (TLS, user or password, a role without the key), or None."""
     @property
     def dropped(self) -> int: ...
     @property

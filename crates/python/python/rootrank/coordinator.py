@@ -12,6 +12,7 @@ import ipaddress
 import json
 import os
 import socket
+import ssl
 import threading
 import time
 import urllib.parse
@@ -37,8 +38,8 @@ def _parse_urls(urls: Union[str, Sequence[str], None]) -> List[str]:
         if "://" not in u:
             u = "http://" + u
         parsed = urllib.parse.urlsplit(u)
-        if parsed.scheme != "http" or not parsed.hostname:
-            raise InvalidInput(f"coordinator URL {u!r} must look like http://host:port")
+        if parsed.scheme not in ("http", "https") or not parsed.hostname:
+            raise InvalidInput(f"coordinator URL {u!r} must look like http://host:port or https://host:port")
         out.append(u)
     if not out:
         raise InvalidInput(
@@ -107,13 +108,62 @@ class _Resolver:
 _resolver = _Resolver()
 
 
+class _HTTPSConnection(http.client.HTTPSConnection):
+    """HTTPS to an address resolved beforehand (within the timeout, see _Resolver), with the
+    certificate checked against the URL's host name."""
+
+    def __init__(self, host: str, address: str, port: int, *, timeout: float, context: ssl.SSLContext):
+        super().__init__(host, port, timeout=timeout, context=context)
+        self._address = address
+        self._tls = context
+
+    def connect(self) -> None:
+        sock = socket.create_connection((self._address, self.port), self.timeout)
+        self.sock = self._tls.wrap_socket(sock, server_hostname=self.host)
+
+
+def _read_token(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            first = f.read(8192).decode("utf-8", "replace").splitlines()
+    except OSError as e:
+        raise InvalidInput(f"cannot read the coordinator token file {path}: {e}") from e
+    token = first[0].strip() if first else ""
+    if not token:
+        raise InvalidInput(f"the coordinator token file {path} is empty: put the token on its first line")
+    return token
+
+
+class _Auth:
+    """What every request to the coordinators carries: the bearer token, and the CA that
+    signs their HTTPS certificates."""
+
+    def __init__(self, token_file: Optional[str], cacert: Optional[str]):
+        token_file = token_file or os.environ.get("ROOTRANK_TOKEN_FILE") or None
+        cacert = cacert or os.environ.get("ROOTRANK_CACERT") or None
+        self.headers: Dict[str, str] = {}
+        if token_file:
+            self.headers["Authorization"] = "Bearer " + _read_token(token_file)
+        try:
+            self.context = ssl.create_default_context(cafile=cacert)
+        except (OSError, ssl.SSLError) as e:
+            raise InvalidInput(f"cannot use the CA bundle {cacert}: {e}") from e
+
+    def connection(self, replica: "_Replica", address: str, timeout_s: float) -> http.client.HTTPConnection:
+        if replica.scheme == "https":
+            return _HTTPSConnection(replica.host, address, replica.port, timeout=timeout_s, context=self.context)
+        return http.client.HTTPConnection(address, replica.port, timeout=timeout_s)
+
+
 class _Replica:
-    def __init__(self, url: str):
+    def __init__(self, url: str, auth: _Auth):
         self.url = url
         parsed = urllib.parse.urlsplit(url)
+        self.scheme = parsed.scheme
         self.host = parsed.hostname or "127.0.0.1"
-        self.port = parsed.port or 80
+        self.port = parsed.port or (443 if parsed.scheme == "https" else 80)
         self.base = parsed.path.rstrip("/")
+        self.auth = auth
         self.conn: Optional[http.client.HTTPConnection] = None
 
     def request(self, path: str, timeout_s: float) -> tuple:
@@ -136,13 +186,13 @@ class _Replica:
             started = time.monotonic()
             address = _resolver.address(self.host, self.port, timeout_s)
             timeout_s = max(0.001, timeout_s - (time.monotonic() - started))
-            self.conn = http.client.HTTPConnection(address, self.port, timeout=timeout_s)
+            self.conn = self.auth.connection(self, address, timeout_s)
         else:
             self.conn.timeout = timeout_s
             if self.conn.sock is not None:
                 self.conn.sock.settimeout(timeout_s)
         try:
-            self.conn.request("GET", self.base + path, headers={"Accept": "application/json"})
+            self.conn.request("GET", self.base + path, headers={"Accept": "application/json", **self.auth.headers})
             resp = self.conn.getresponse()
             body = resp.read()
             return resp.status, body
@@ -162,10 +212,20 @@ class Coordinator:
     """Asks rootrank coordinators (one URL, or several replicas: a comma-separated string or
     a list; default ``ROOTRANK_COORDINATOR``). Replicas are tried in turn on connection
     errors and 503s; every replica answers the same (verdicts are a function of etcd state).
-    Thread-safe."""
+    A coordinator run with ``--auth-token-file`` wants its token: ``token_file`` (default
+    ``ROOTRANK_TOKEN_FILE``); HTTPS replicas are verified against ``cacert`` (default
+    ``ROOTRANK_CACERT``, else the system's CAs). Thread-safe."""
 
-    def __init__(self, urls: Union[str, Sequence[str], None] = None, *, timeout_s: float = 5.0):
-        self._replicas = [_Replica(u) for u in _parse_urls(urls)]
+    def __init__(
+        self,
+        urls: Union[str, Sequence[str], None] = None,
+        *,
+        timeout_s: float = 5.0,
+        token_file: Optional[str] = None,
+        cacert: Optional[str] = None,
+    ):
+        auth = _Auth(token_file, cacert)
+        self._replicas = [_Replica(u, auth) for u in _parse_urls(urls)]
         self._timeout_s = float(timeout_s)
         self._preferred = 0
         self._lock = threading.Lock()
@@ -270,12 +330,12 @@ class Coordinator:
             conn: Optional[http.client.HTTPConnection] = None
             try:
                 address = _resolver.address(replica.host, replica.port, idle_timeout_s)
-                conn = http.client.HTTPConnection(address, replica.port, timeout=idle_timeout_s)
-                conn.request("GET", path, headers={"Accept": "text/event-stream"})
+                conn = replica.auth.connection(replica, address, idle_timeout_s)
+                conn.request("GET", path, headers={"Accept": "text/event-stream", **replica.auth.headers})
                 resp = conn.getresponse()
                 if resp.status != 200:
                     err = _error_from(replica.url, resp.status, resp.read())
-                    if resp.status in (400, 404, 410):
+                    if resp.status in (400, 401, 404, 410):
                         raise err
                     raise OSError(str(err))
                 pause = 0.2
