@@ -276,12 +276,7 @@ async fn liveness(
                 }
                 other => {
                     debug!(?other, "keepalive stream failed to open");
-                    if last_ok.elapsed() > Duration::from_secs(ttl as u64) {
-                        warn!(
-                            incarnation = lease,
-                            "no keepalive for a whole lease TTL; registering a new incarnation"
-                        );
-                        abandon(&mut client, lease).await;
+                    if gave_up(&mut client, lease, last_ok, ttl).await {
                         continue 'register;
                     }
                     tokio::select! { _ = tokio::time::sleep(backoff.next_pause()) => {}, _ = stop.changed() => return }
@@ -321,14 +316,7 @@ async fn liveness(
                             since_ok_ms = last_ok.elapsed().as_millis() as u64,
                             "keepalive failed; reopening"
                         );
-                        if last_ok.elapsed() > Duration::from_secs(ttl as u64) {
-                            // No keepalive got through for a whole TTL: etcd has expired the
-                            // lease (or it was revoked), whatever the stream says.
-                            warn!(
-                                incarnation = lease,
-                                "no keepalive for a whole lease TTL; registering a new incarnation"
-                            );
-                            abandon(&mut client, lease).await;
+                        if gave_up(&mut client, lease, last_ok, ttl).await {
                             continue 'register;
                         }
                         tokio::select! { _ = tokio::time::sleep(backoff.next_pause()) => {}, _ = stop.changed() => return }
@@ -605,6 +593,20 @@ fn refusal(config: &AgentConfig, holder: Option<&Holder>) -> String {
          Retrying every {}s in case the holder is gone",
         REFUSED_RETRY.as_secs()
     )
+}
+
+/// Whether no keepalive got through for a whole TTL: etcd has expired the lease (or it was
+/// revoked), whatever the stream says. Then the incarnation is given up ([`abandon`]).
+async fn gave_up(client: &mut Client, lease: i64, last_ok: Instant, ttl: i64) -> bool {
+    if last_ok.elapsed() <= Duration::from_secs(ttl as u64) {
+        return false;
+    }
+    warn!(
+        incarnation = lease,
+        "no keepalive for a whole lease TTL; registering a new incarnation"
+    );
+    abandon(client, lease).await;
+    true
 }
 
 /// Gives up an incarnation whose keepalives stopped getting through. If etcd still holds the

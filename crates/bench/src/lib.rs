@@ -1,6 +1,6 @@
 //! rootrank's benchmark suite: rootrank against its alternatives and its limits, side by side.
 //!
-//! Eight parts, each runnable alone (`rootrank-bench verdicts --conns 16 --duration 5s`, ...)
+//! Eleven parts, each runnable alone (`rootrank-bench verdicts --conns 16 --duration 5s`, ...)
 //! or all together (`rootrank-bench all`, which `make bench` runs):
 //!
 //! 1. [`verdicts`]: verdict lookups over HTTP (wrk) vs the same server's `/healthz` (the HTTP
@@ -16,6 +16,8 @@
 //!    to the serial load before.
 //! 10. [`events`]: `GET /v1/events` with 1,000 readers at 5,000 records/s: delivery lag at
 //!     each reader, the coordinator's CPU and memory with and without them.
+//! 11. [`security`]: verdicts over HTTPS with a bearer token next to plain HTTP; an agent's
+//!     publish latency over etcd TLS with client certificates next to plain etcd.
 //!
 //! Every figure goes into one JSON file with the machine's facts and the git revision; a
 //! Markdown table and an SVG of the latency distributions are made from it ([`report`]).
@@ -32,6 +34,7 @@ pub mod node_memory;
 pub mod procs;
 pub mod report;
 pub mod scale;
+pub mod security;
 pub mod startup;
 pub mod state;
 pub mod util;
@@ -56,6 +59,7 @@ pub struct Suite {
     pub node_memory: Option<node_memory::NodeMemoryCfg>,
     pub startup: Option<startup::StartupCfg>,
     pub events: Option<events::EventsCfg>,
+    pub security: Option<security::SecurityCfg>,
 }
 
 impl Suite {
@@ -71,6 +75,7 @@ impl Suite {
             node_memory: Some(node_memory::NodeMemoryCfg::full()),
             startup: Some(startup::StartupCfg::full()),
             events: Some(events::EventsCfg::full()),
+            security: Some(security::SecurityCfg::full()),
         }
     }
     /// Tiny sizes, seconds long: for `cargo test` and `make bench-smoke`.
@@ -86,6 +91,7 @@ impl Suite {
             node_memory: Some(node_memory::NodeMemoryCfg::smoke()),
             startup: Some(startup::StartupCfg::smoke()),
             events: Some(events::EventsCfg::smoke()),
+            security: Some(security::SecurityCfg::smoke()),
         }
     }
 }
@@ -126,6 +132,7 @@ pub async fn run(env: &Env, suite: &Suite, mode: &str) -> Value {
     part!("node_memory", suite.node_memory, node_memory::run);
     part!("startup", suite.startup, startup::run);
     part!("events", suite.events, events::run);
+    part!("security", suite.security, security::run);
     let mut results = json!({
         "schema": "rootrank-bench/1",
         "mode": mode,

@@ -82,7 +82,20 @@ pub fn wrk(
     conns: usize,
     duration: Duration,
 ) -> anyhow::Result<Run> {
-    if !base.starts_with("http://127.0.0.1:") {
+    wrk_with(work, target, base, paths, conns, duration, &[])
+}
+
+/// [`wrk`] with request headers (`Name: value`), to `http://` or `https://` loopback.
+pub fn wrk_with(
+    work: &Path,
+    target: &str,
+    base: &str,
+    paths: &[String],
+    conns: usize,
+    duration: Duration,
+    headers: &[String],
+) -> anyhow::Result<Run> {
+    if !base.starts_with("http://127.0.0.1:") && !base.starts_with("https://127.0.0.1:") {
         bail!("load may only target loopback, not {base}");
     }
     let script = work.join(format!("wrk-{target}-{conns}.lua"));
@@ -91,7 +104,9 @@ pub fn wrk(
     let secs = duration.as_secs().max(1);
     let out = std::process::Command::new("wrk")
         .args(["-t", &threads.to_string(), "-c", &conns.to_string()])
-        .args(["-d", &format!("{secs}s"), "--timeout", "5s", "-s"])
+        .args(["-d", &format!("{secs}s"), "--timeout", "5s"])
+        .args(headers.iter().flat_map(|h| ["-H", h.as_str()]))
+        .arg("-s")
         .arg(&script)
         .arg(base)
         .output()

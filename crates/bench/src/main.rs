@@ -124,6 +124,19 @@ enum Cmd {
         #[command(flatten)]
         out: Out,
     },
+    /// 11. Security: verdicts over HTTPS + token next to HTTP; agent publishes over etcd TLS next to plain.
+    Security {
+        #[arg(long, default_value_t = 2_000)]
+        rooms: usize,
+        #[arg(long, default_value_t = 16)]
+        conns: usize,
+        #[arg(long, default_value = "10s")]
+        duration: String,
+        #[arg(long, default_value_t = 500)]
+        publishes: usize,
+        #[command(flatten)]
+        out: Out,
+    },
     /// 5. Agent overhead: record_failure on the caller's thread, next to a NIXL 64 KiB WRITE.
     Agent {
         #[arg(long, default_value_t = 100_000)]
@@ -197,6 +210,12 @@ enum Cmd {
         prefix: String,
         #[arg(long, default_value_t = rootrank_store::DEFAULT_READERS)]
         snapshot_readers: usize,
+        #[arg(long, requires = "tls_key")]
+        tls_cert: Option<PathBuf>,
+        #[arg(long, requires = "tls_cert")]
+        tls_key: Option<PathBuf>,
+        #[arg(long)]
+        auth_token_file: Option<PathBuf>,
     },
     /// A rank with an embedded agent, driven over stdin.
     #[command(hide = true)]
@@ -232,8 +251,18 @@ fn real_main() -> anyhow::Result<ExitCode> {
             listen,
             prefix,
             snapshot_readers,
+            tls_cert,
+            tls_key,
+            auth_token_file,
         } => {
-            rootrank_bench::procs::serve_coordinator(etcd_endpoints, listen, prefix, snapshot_readers)?;
+            rootrank_bench::procs::serve_coordinator(
+                etcd_endpoints,
+                listen,
+                prefix,
+                snapshot_readers,
+                tls_cert.zip(tls_key),
+                auth_token_file,
+            )?;
             return Ok(ExitCode::SUCCESS);
         }
         Cmd::Rank {
@@ -433,6 +462,25 @@ fn real_main() -> anyhow::Result<ExitCode> {
             },
             "events",
             out.out.unwrap_or_else(|| PathBuf::from("bench-results/events")),
+        ),
+        Cmd::Security {
+            rooms,
+            conns,
+            duration,
+            publishes,
+            out,
+        } => (
+            Suite {
+                security: Some(rootrank_bench::security::SecurityCfg {
+                    rooms,
+                    conns,
+                    duration: parse_duration(&duration)?,
+                    publishes,
+                }),
+                ..Suite::default()
+            },
+            "security",
+            out.out.unwrap_or_else(|| PathBuf::from("bench-results/security")),
         ),
         Cmd::Agent {
             calls,

@@ -103,6 +103,30 @@ impl Coordinator {
         ready_timeout: Duration,
         args: &[String],
     ) -> anyhow::Result<Coordinator> {
+        Self::start_serving(env, endpoint, prefix, ready_timeout, args, None).await
+    }
+
+    /// A coordinator serving HTTPS (`args` carry `--tls-cert/--tls-key`), its readiness
+    /// checked against the CA `cacert`.
+    pub async fn start_https(
+        env: &Env,
+        endpoint: &str,
+        prefix: &str,
+        ready_timeout: Duration,
+        args: &[String],
+        cacert: &Path,
+    ) -> anyhow::Result<Coordinator> {
+        Self::start_serving(env, endpoint, prefix, ready_timeout, args, Some(cacert)).await
+    }
+
+    async fn start_serving(
+        env: &Env,
+        endpoint: &str,
+        prefix: &str,
+        ready_timeout: Duration,
+        args: &[String],
+        https_ca: Option<&Path>,
+    ) -> anyhow::Result<Coordinator> {
         let mut last_err = None;
         for attempt in 0..3 {
             let port = crate::util::free_port()?;
@@ -123,14 +147,17 @@ impl Coordinator {
                 .spawn()
                 .with_context(|| format!("spawning {}", env.exe.display()))?;
             let pid = child.id();
+            let scheme = if https_ca.is_some() { "https" } else { "http" };
             let mut c = Coordinator {
                 child,
-                url: format!("http://127.0.0.1:{port}"),
+                url: format!("{scheme}://127.0.0.1:{port}"),
                 pid,
                 start_to_ready: Duration::ZERO,
                 log,
             };
-            let http = crate::util::http_client(Duration::from_secs(2))?;
+            let http = rootrank_tls::http_client(https_ca)?
+                .timeout(Duration::from_secs(2))
+                .build()?;
             let deadline = started + ready_timeout;
             loop {
                 if let Ok(Some(st)) = c.child.try_wait() {
@@ -254,11 +281,19 @@ pub fn serve_coordinator(
     listen: std::net::SocketAddr,
     prefix: String,
     snapshot_readers: usize,
+    tls: Option<(PathBuf, PathBuf)>,
+    auth_token_file: Option<PathBuf>,
 ) -> anyhow::Result<()> {
     init_tracing();
     let mut config = rootrank_coordinator::CoordinatorConfig::new(endpoints, listen);
     config.index.prefix = prefix;
     config.snapshot_readers = snapshot_readers;
+    config.tls = tls
+        .map(|(cert, key)| rootrank_tls::server_config(&cert, &key))
+        .transpose()?;
+    config.auth_token = auth_token_file
+        .map(|p| rootrank_tls::AuthToken::from_file(&p))
+        .transpose()?;
     // The same runtime shape as `rootrank serve` (src/cmd/mod.rs): 2 worker threads.
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

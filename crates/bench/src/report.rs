@@ -603,11 +603,57 @@ pub fn markdown(results: &Value) -> String {
             num(&json!(f(&e["coordinator_rss_bytes"]["after_stage"]) / 1048576.0), 1),
         );
     }
+    security_section(&mut m, &s["security"]);
     let _ = writeln!(
         m,
         "\nLatency distributions: `latency.svg`. All figures: `results.json`."
     );
     m
+}
+
+/// Part 11: what TLS and the token cost, plain and secure side by side.
+fn security_section(m: &mut String, x: &Value) {
+    if !x.is_object() {
+        return;
+    }
+    let _ = writeln!(
+        m,
+        "\n## 11. Security (same run, same etcd state)\n\n| verdict lookups, {} connections | requests/s | p50 | p99 |\n|---|---|---|---|",
+        x["setup"]["conns"]
+    );
+    for run in x["verdicts"].as_array().into_iter().flatten() {
+        let _ = writeln!(
+            m,
+            "| {} | {} | {} | {} |",
+            run["target"].as_str().unwrap_or("").trim_start_matches("verdict_"),
+            num(&run["rps"], 0),
+            us(&run["latency"]["p50_us"]),
+            us(&run["latency"]["p99_us"])
+        );
+    }
+    let _ = writeln!(
+        m,
+        "\n| agent publish (record_failure to the record on a watch, one at a time) | p50 | p99 | max |\n|---|---|---|---|"
+    );
+    for name in ["plain", "tls_client_cert"] {
+        let d = &x["publish"][name];
+        let _ = writeln!(
+            m,
+            "| {name} | {} | {} | {} |",
+            us(&d["p50_us"]),
+            us(&d["p99_us"]),
+            us(&d["max_us"])
+        );
+    }
+    let r = &x["ratios"];
+    let _ = writeln!(
+        m,
+        "\nHTTPS + token over HTTP: {}x the requests/s, {}x the p99. etcd TLS over plain: {}x the publish p50, {}x the p99.",
+        num(&r["https_token_over_http_rps"], 2),
+        num(&r["https_token_p99_over_http_p99"], 2),
+        num(&r["tls_over_plain_publish_p50"], 2),
+        num(&r["tls_over_plain_publish_p99"], 2)
+    );
 }
 
 /// A series for the plot: a name and (percent, microseconds) points.
