@@ -178,6 +178,7 @@ async fn each_wrong_tls_credential_is_refused_clearly_and_writes_nothing() {
             "a client certificate etcd does not trust",
             pki.files("ca", Some("rogue-client")),
         ),
+        ("an expired client certificate", pki.files("ca", Some("expired-client"))),
     ];
     for (what, files) in cases {
         let flags = flags_of(&files);

@@ -48,10 +48,12 @@ impl Pki {
             args.extend(["-keyout", &key, "-out", &pem, "-days", "2", "-subj", &subj]);
             openssl(d, &args)?;
         }
-        for (name, ca, ext, cn) in [
-            ("server", "ca", "server.ext", "etcd"),
-            ("client", "ca", "client.ext", "root"),
-            ("rogue-client", "rogue-ca", "client.ext", "root"),
+        for (name, ca, ext, cn, days) in [
+            ("server", "ca", "server.ext", "etcd", "2"),
+            ("client", "ca", "client.ext", "root", "2"),
+            ("rogue-client", "rogue-ca", "client.ext", "root", "2"),
+            // Valid until the second it was made: expired from the next one.
+            ("expired-client", "ca", "client.ext", "root", "0"),
         ] {
             let (key, csr, pem) = (format!("{name}.key"), format!("{name}.csr"), format!("{name}.pem"));
             let subj = format!("/CN={cn}");
@@ -75,17 +77,20 @@ impl Pki {
                     "-out",
                     &pem,
                     "-days",
-                    "2",
+                    days,
                     "-extfile",
                     ext,
                 ],
             )?;
         }
+        // Past the expired certificate's last valid second.
+        std::thread::sleep(Duration::from_millis(1100));
         Ok(Pki { dir })
     }
 
     /// `ca.pem`, `server.pem`/`server.key`, `client.pem`/`client.key`, `rogue-ca.pem`,
-    /// `rogue-client.pem`/`rogue-client.key`.
+    /// `rogue-client.pem`/`rogue-client.key`, `expired-client.pem`/`.key` (signed by `ca`,
+    /// expired one second after [`Pki::new`]).
     pub fn path(&self, name: &str) -> PathBuf {
         self.dir.path().join(name)
     }
