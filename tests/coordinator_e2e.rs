@@ -473,3 +473,75 @@ async fn metrics_pass_promtool() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// The coordinator's resident memory, from /proc (for the log; never asserted on).
+fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// Instances restart under new group names (the plugin names groups after `host:port`): once
+/// their leases, records and certificates are gone from etcd, `/v1/groups` no longer lists
+/// them. Retention is 2 s here (`--retention-s 2`) so the window passes within the test.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn groups_etcd_no_longer_holds_are_forgotten_after_their_retention() {
+    let etcd = Etcd::start().unwrap();
+    let coord = Coordinator::start(&etcd.endpoint(), &["--retention-s", "2"])
+        .await
+        .unwrap();
+    let mut client = etcd_client::Client::connect([etcd.endpoint()], None).await.unwrap();
+    let restarts = 300u64;
+    let rss_before = coord.pid().map_or(0, rss_kib);
+    for i in 0..restarts {
+        let g = format!("prefill-host:{}-dp0", 20_000 + i);
+        let lease = client.lease_grant(2, None).await.unwrap().id();
+        let live = serde_json::json!({"v": 1, "group": g, "rank": 0, "group_size": 1, "lease_ttl_ms": 2000});
+        let opts = etcd_client::PutOptions::new().with_lease(lease);
+        client
+            .put(
+                format!("/rootrank/v1/groups/{g}/ranks/0/live"),
+                live.to_string(),
+                Some(opts.clone()),
+            )
+            .await
+            .unwrap();
+        let rec = serde_json::json!({"v": 1, "group": g, "rank": 0, "room": (i + 1).to_string(),
+            "origin": "local", "reason": "nixl_error"});
+        client
+            .put(
+                format!("/rootrank/v1/groups/{g}/rooms/{}/ranks/0", i + 1),
+                rec.to_string(),
+                Some(opts),
+            )
+            .await
+            .unwrap();
+    }
+    let listed = |c: &Coordinator| {
+        let url = format!("{}/v1/groups", c.url);
+        async move {
+            let (_, v) = rootrank_testkit::get(&url).await.ok()?;
+            Some(v["groups"].as_array()?.len())
+        }
+    };
+    eventually(T, "every instance listed", || async {
+        listed(&coord).await.filter(|n| *n == restarts as usize)
+    })
+    .await
+    .unwrap();
+    let rss_full = coord.pid().map_or(0, rss_kib);
+    // Leases expire (2 s), the coordinator certifies each vanished rank (kept 2 s), then etcd
+    // holds nothing for these groups.
+    eventually(Duration::from_secs(60), "no instance listed", || async {
+        listed(&coord).await.filter(|n| *n == 0)
+    })
+    .await
+    .unwrap();
+    eprintln!(
+        "coordinator RSS: {rss_before} KiB before, {rss_full} KiB with {restarts} groups, {} KiB after they left",
+        coord.pid().map_or(0, rss_kib)
+    );
+}

@@ -311,6 +311,9 @@ pub struct Index {
     /// v3: stall records of live ranks (at most one per rank: the key rides on its lease).
     pub(crate) stalls: BTreeMap<(GroupId, Rank), Stall>,
     record_count: usize,
+    /// Room records per group, so a group etcd holds nothing for any more is seen at once
+    /// and pruned ([`Index::prune_group`]).
+    group_records: HashMap<GroupId, usize>,
     interned_reasons: HashSet<Reason>,
     /// While a snapshot loads: the latest time its events were observed. Rooms are decided
     /// once, in `finish_snapshot`, with every key of the snapshot known (see there).
@@ -335,6 +338,7 @@ impl Index {
             timers: BTreeSet::new(),
             root_causes: BTreeSet::new(),
             record_count: 0,
+            group_records: HashMap::new(),
             interned_reasons: HashSet::new(),
             loading_now_ms: None,
         }
@@ -614,7 +618,8 @@ impl Index {
                 incarnation,
             }) => {
                 // The retention lease ran out: the death is history beyond the window.
-                self.deaths.remove(&(group, rank, incarnation));
+                self.deaths.remove(&(group.clone(), rank, incarnation));
+                self.prune_group(&group);
             }
             Some(KeyKind::Room { group, room, rank }) => {
                 let Some(entry) = self.rooms.get_mut(&room) else { return };
@@ -627,7 +632,11 @@ impl Index {
                     count_local(&mut self.local_counts, &group, rank, -1);
                 }
                 entry.records.retain(|r| !(r.group == group && r.rank == rank));
-                self.record_count -= before - entry.records.len();
+                let removed = before - entry.records.len();
+                self.record_count -= removed;
+                if let Some(n) = self.group_records.get_mut(&group) {
+                    *n = n.saturating_sub(removed);
+                }
                 if !entry.records.iter().any(|r| r.group == group) {
                     if let Some(set) = self.unresolved.get_mut(&group) {
                         set.remove(&room);
@@ -638,9 +647,48 @@ impl Index {
                         self.root_causes.remove(&(rev, room));
                     }
                 }
+                self.prune_group(&group);
             }
             _ => {}
         }
+    }
+
+    /// Forgets a group once etcd holds nothing for it: no live rank, no death still inside
+    /// its retention (a certificate, or a vanished live key whose certificate is on its way),
+    /// no room record. So groups that come and go (the SGLang plugin names them after an
+    /// instance's `host:port`, new at every restart) leave no memory behind, and a replica
+    /// that has run for a month holds what one started now holds.
+    fn prune_group(&mut self, group: &GroupId) {
+        let lo = (group.clone(), Rank::MIN);
+        let hi = (group.clone(), Rank::MAX);
+        if self.group_records.get(group).is_some_and(|n| *n > 0)
+            || self.ranks.range(lo.clone()..=hi.clone()).any(|(_, s)| s.live.is_some())
+            || self
+                .deaths
+                .range((group.clone(), Rank::MIN, Incarnation::MIN)..=(group.clone(), Rank::MAX, Incarnation::MAX))
+                .next()
+                .is_some()
+        {
+            return;
+        }
+        self.group_records.remove(group);
+        self.groups.remove(group);
+        let ranks: Vec<_> = self
+            .ranks
+            .range(lo.clone()..=hi.clone())
+            .map(|(k, _)| k.clone())
+            .collect();
+        for k in &ranks {
+            self.ranks.remove(k);
+            self.local_counts.remove(k);
+            self.stalls.remove(k);
+        }
+        self.unresolved.remove(group);
+        self.agents.retain(|_, (g, _)| g != group);
+        self.endpoints.retain(|_, owners| {
+            owners.retain(|(g, _)| g != group);
+            !owners.is_empty()
+        });
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -1018,6 +1066,9 @@ impl Index {
         {
             let old = entry.records.remove(pos);
             self.record_count -= 1;
+            if let Some(n) = self.group_records.get_mut(&group) {
+                *n = n.saturating_sub(1);
+            }
             if old.origin == Origin::Local {
                 count_local(&mut self.local_counts, &group, rec.rank, -1);
             }
@@ -1031,6 +1082,7 @@ impl Index {
         entry.records.reserve_exact(1);
         entry.records.insert(pos, record);
         self.record_count += 1;
+        *self.group_records.entry(group.clone()).or_default() += 1;
         out.push(Output::RecordAccepted {
             group: group.clone(),
             origin: rec.origin,

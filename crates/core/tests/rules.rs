@@ -997,3 +997,61 @@ fn a_reload_after_compaction_counts_the_deaths_it_did_not_watch() {
     let again = snapshot_index(&w).carry_vanished_from(&before, lost_at);
     assert_eq!(vanished_ranks(&again), vec![3]);
 }
+
+/// Groups come and go (the plugin names them after an instance's `host:port`, new at every
+/// restart): once etcd holds nothing for one (its records and certificates left with their
+/// retention leases), the index forgets it, and holds what an index loaded now would.
+#[test]
+fn a_group_etcd_holds_nothing_for_is_forgotten() {
+    let mut w = World::new();
+    let restarts = 50u64;
+    for i in 0..restarts {
+        let g = format!("prefill-host:{}-dp0", 9000 + i);
+        w.register(&g, 0, 1, 1000);
+        w.register_with_agent(&g, 1, 2, 1000, Some(&format!("agent-{i}")));
+        w.record(&g, 0, i + 1, "local", "nixl_error");
+        w.vanish(&g, 0);
+        w.vanish(&g, 1);
+    }
+    // The instance that runs now.
+    w.register(G, 0, 1, 1000);
+    assert_eq!(w.index.groups().len(), restarts as usize + 1);
+    // Records expire first; the certificates (here: the coordinator's, for the vanished live
+    // keys) are still held, so every group stays.
+    let records: Vec<String> = w.kv.keys().filter(|k| k.contains("/rooms/")).cloned().collect();
+    for k in records {
+        w.delete_raw(&k);
+    }
+    assert_eq!(w.index.groups().len(), restarts as usize + 1);
+    assert_eq!(w.index.record_count(), 0);
+    // Then the certificates: etcd holds nothing for the old instances any more.
+    let certs: Vec<String> = w.kv.keys().filter(|k| k.contains("/down/")).cloned().collect();
+    assert_eq!(
+        certs.len(),
+        2 * restarts as usize,
+        "the coordinator certified each vanished key"
+    );
+    for k in certs {
+        w.delete_raw(&k);
+    }
+    let left: Vec<String> = w.index.groups().into_iter().map(|g| g.group.to_string()).collect();
+    assert_eq!(left, vec![G.to_string()], "only the group with a live rank is left");
+    assert_eq!(
+        format!("{:?}", w.index.groups()),
+        format!("{:?}", snapshot_index(&w).groups())
+    );
+    // A record that names an old instance's NIXL agent no longer leads there (rule 5 finds
+    // nothing, as on a replica started now).
+    w.record_with_peer(
+        G,
+        0,
+        777,
+        "peer_reported",
+        "other",
+        serde_json::json!({"agent": "agent-3"}),
+    );
+    assert_eq!(
+        format!("{:?}", w.verdict(777, None)),
+        format!("{:?}", verdict_of(&snapshot_index(&w), 777, None, w.now))
+    );
+}
