@@ -83,10 +83,7 @@ async fn connect_with_retry(access: &EtcdAccess, shared: &Shared) -> Client {
             Ok(c) => return c,
             Err(e) => {
                 if e.refusal().is_some() {
-                    // Said once: the operator must act; retrying louder would not help.
-                    if shared.set_etcd_refused(Some(e.to_string())) {
-                        error!(error = %e, "etcd refuses this agent; retrying quietly until an operator fixes it");
-                    }
+                    say_refused(shared, e.to_string());
                 } else {
                     warn!(error = %e, "agent cannot reach etcd yet; retrying");
                 }
@@ -126,14 +123,22 @@ async fn note_refusal(shared: &Shared, access: &EtcdAccess, e: rootrank_store::e
     let Some(refusal) = rootrank_store::classify(access, e).await.refusal().cloned() else {
         return false;
     };
-    let text = format!(
-        "etcd refused this rank's registration ({}): {refusal}",
-        access.identity()
+    say_refused(
+        shared,
+        format!(
+            "etcd refused this rank's registration ({}): {refusal}",
+            access.identity()
+        ),
     );
-    if shared.set_etcd_refused(Some(text.clone())) {
-        error!("{text}; retrying quietly until an operator fixes it");
-    }
     true
+}
+
+/// Keeps why etcd refuses the agent for the host to read, and logs it once (the operator
+/// must act; retrying louder would not help).
+fn say_refused(shared: &Shared, why: String) {
+    if shared.set_etcd_refused(Some(why.clone())) {
+        error!("{why}; retrying quietly until an operator fixes it");
+    }
 }
 
 fn lease_ttl_secs(config: &AgentConfig) -> i64 {

@@ -137,9 +137,7 @@ pub enum CoordinatorError {
 /// write a certificate): that needs an operator, not a retry. An etcd that is only down is
 /// waited for as ever (the replica answers 503 until it is current).
 async fn check_etcd_access(config: &CoordinatorConfig) -> Result<(), CoordinatorError> {
-    let keys = rootrank_core::Keys::new(&config.index.prefix);
-    let probe = keys.probe_certificate();
-    match rootrank_store::connect_checked(&config.etcd, &keys.root(), &probe).await {
+    match rootrank_store::connect_checked(&config.etcd, &config.index.prefix).await {
         Err(e) if e.refusal().is_some() => Err(CoordinatorError::Etcd(e)),
         Err(e) => {
             tracing::warn!(error = %e, "etcd is not answering yet; serving 503 until the first snapshot");

@@ -95,8 +95,7 @@ pub async fn run(config: NodeWatchConfig, shutdown: impl Future<Output = ()>) ->
     }
     // A refusal (TLS, auth, a role that cannot read the prefix or write a certificate) needs
     // an operator: stop now. An etcd that is only down is waited for, as ever.
-    let keys = rootrank_core::Keys::new(&config.prefix);
-    match rootrank_store::connect_checked(&config.etcd, &keys.root(), &keys.probe_certificate()).await {
+    match rootrank_store::connect_checked(&config.etcd, &config.prefix).await {
         Err(e) if e.refusal().is_some() => return Err(e.into()),
         Err(e) => warn!(error = %e, "etcd is not answering yet; watching once it does"),
         Ok(_) => {}

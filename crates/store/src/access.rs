@@ -88,8 +88,8 @@ pub enum AccessError {
 #[derive(Clone, Default)]
 pub struct EtcdAccess {
     pub endpoints: Vec<String>,
-    tls: Option<TlsOptions>,
-    /// The same PEM bytes, for [`EtcdAccess::diagnose_tls`].
+    /// The TLS files' contents (etcd-client's options are built from them when connecting,
+    /// [`EtcdAccess::diagnose_tls`] reads them too).
     pem: Option<TlsPem>,
     user: Option<(String, String)>,
     files: EtcdCredentialFiles,
@@ -105,7 +105,7 @@ impl std::fmt::Debug for EtcdAccess {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("EtcdAccess")
             .field("endpoints", &self.endpoints)
-            .field("tls", &self.tls.is_some())
+            .field("tls", &self.pem.is_some())
             .field("user", &self.user.as_ref().map(|(u, _)| u))
             .finish()
     }
@@ -149,26 +149,21 @@ impl EtcdAccess {
         } else if let Some(e) = endpoints.iter().find(|e| e.starts_with("https://")) {
             return Err(AccessError::HttpsWithoutCa(e.clone()));
         }
-        let (tls, pem) = if tls_asked {
+        let pem = if tls_asked {
             let Some(ca_path) = &files.cacert else {
                 return Err(AccessError::HttpsWithoutCa(
                     endpoints.first().cloned().unwrap_or_default(),
                 ));
             };
             let ca = read_pem("--etcd-cacert", ca_path)?;
-            let mut tls = TlsOptions::new().ca_certificate(Certificate::from_pem(ca.clone()));
             let identity = match (&files.cert, &files.key) {
-                (Some(cert), Some(key)) => {
-                    let pair = (read_pem("--etcd-cert", cert)?, read_pem("--etcd-key", key)?);
-                    tls = tls.identity(Identity::from_pem(pair.0.clone(), pair.1.clone()));
-                    Some(pair)
-                }
+                (Some(cert), Some(key)) => Some((read_pem("--etcd-cert", cert)?, read_pem("--etcd-key", key)?)),
                 (None, None) => None,
                 _ => return Err(AccessError::HalfIdentity),
             };
-            (Some(tls), Some(TlsPem { ca, identity }))
+            Some(TlsPem { ca, identity })
         } else {
-            (None, None)
+            None
         };
         let user = match (&files.user, &files.password_file) {
             (Some(user), Some(path)) => {
@@ -184,7 +179,6 @@ impl EtcdAccess {
         };
         Ok(EtcdAccess {
             endpoints,
-            tls,
             pem,
             user,
             files: files.clone(),
@@ -202,7 +196,7 @@ impl EtcdAccess {
     }
 
     pub fn uses_tls(&self) -> bool {
-        self.tls.is_some()
+        self.pem.is_some()
     }
 
     /// Who we are to etcd, for messages: "user rootrank-rank over TLS with a client certificate".
@@ -211,7 +205,7 @@ impl EtcdAccess {
             Some(u) => format!("user {u}"),
             None => "no etcd user".to_string(),
         };
-        let how = match (&self.tls, &self.files.cert) {
+        let how = match (&self.pem, &self.files.cert) {
             (None, _) => "plain",
             (Some(_), Some(_)) => "TLS with a client certificate",
             (Some(_), None) => "TLS without a client certificate",
@@ -238,7 +232,7 @@ impl EtcdAccess {
             let connector = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config));
             let mut stream = match connector.connect(name, tcp).await {
                 Ok(s) => s,
-                Err(e) => return tls_text(&e),
+                Err(e) => return crate::tls_error_in(&e),
             };
             let mut buf = [0u8; 64];
             match tokio::time::timeout(std::time::Duration::from_millis(500), {
@@ -247,7 +241,7 @@ impl EtcdAccess {
             })
             .await
             {
-                Ok(Err(e)) => tls_text(&e),
+                Ok(Err(e)) => crate::tls_error_in(&e),
                 _ => None,
             }
         };
@@ -258,20 +252,18 @@ impl EtcdAccess {
     }
 
     pub(crate) fn apply(&self, mut opts: ConnectOptions) -> ConnectOptions {
-        if let Some(tls) = &self.tls {
-            opts = opts.with_tls(tls.clone());
+        if let Some(pem) = &self.pem {
+            let mut tls = TlsOptions::new().ca_certificate(Certificate::from_pem(pem.ca.clone()));
+            if let Some((cert, key)) = &pem.identity {
+                tls = tls.identity(Identity::from_pem(cert.clone(), key.clone()));
+            }
+            opts = opts.with_tls(tls);
         }
         if let Some((user, password)) = &self.user {
             opts = opts.with_user(user.clone(), password.clone());
         }
         opts
     }
-}
-
-fn tls_text(e: &std::io::Error) -> Option<String> {
-    e.get_ref()
-        .and_then(|inner| inner.downcast_ref::<rustls::Error>())
-        .map(|t| t.to_string())
 }
 
 // ring: see rootrank-tls (the provider tonic uses too).

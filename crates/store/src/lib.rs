@@ -144,22 +144,17 @@ fn is_auth_message(m: &str) -> bool {
         || m.starts_with("etcdserver: invalid auth token")
 }
 
-/// The rustls error somewhere in `e`'s source chain (an io::Error wrapping it included).
-fn tls_error_in(e: &(dyn std::error::Error + 'static)) -> Option<String> {
+/// The rustls error somewhere in `e`'s source chain, an io::Error's inner error included
+/// (io::Error's `source()` skips its inner error itself).
+pub(crate) fn tls_error_in(e: &(dyn std::error::Error + 'static)) -> Option<String> {
     let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(e);
     while let Some(err) = cur {
         if let Some(t) = err.downcast_ref::<rustls::Error>() {
             return Some(t.to_string());
         }
-        if let Some(io) = err.downcast_ref::<std::io::Error>() {
-            if let Some(inner) = io.get_ref() {
-                if let Some(t) = inner.downcast_ref::<rustls::Error>() {
-                    return Some(t.to_string());
-                }
-                if let Some(found) = tls_error_in(inner) {
-                    return Some(found);
-                }
-            }
+        let inner = err.downcast_ref::<std::io::Error>().and_then(|io| io.get_ref());
+        if let Some(found) = inner.and_then(|inner| tls_error_in(inner)) {
+            return Some(found);
         }
         cur = err.source();
     }
@@ -204,21 +199,24 @@ pub async fn classify(access: &EtcdAccess, e: etcd_client::Error) -> StoreError 
     }
 }
 
-/// [`connect`], then one read of `prefix` and one write probe of `write_key` that etcd checks
-/// for permission but never applies (a transaction whose condition cannot hold): start-up
-/// learns of a wrong certificate, password or role within a second, and nothing is written.
-pub async fn connect_checked(access: &EtcdAccess, prefix: &str, write_key: &str) -> Result<Client, StoreError> {
+/// [`connect`], then one read of everything under `prefix` and one write probe of a
+/// certificate key ([`Keys::probe_certificate`]) that etcd checks for permission but never
+/// applies (a transaction whose condition cannot hold): start-up learns of a wrong
+/// certificate, password or role within a second, and nothing is written.
+pub async fn connect_checked(access: &EtcdAccess, prefix: &str) -> Result<Client, StoreError> {
+    let keys = rootrank_core::Keys::new(prefix);
+    let (root, write_key) = (keys.root(), keys.probe_certificate());
     let mut client = connect(access).await?;
     let probe = async {
         client
             .get(
-                prefix,
+                root.as_str(),
                 Some(GetOptions::new().with_prefix().with_keys_only().with_limit(1)),
             )
             .await?;
         let never = Txn::new()
-            .when([Compare::create_revision(write_key, CompareOp::Less, 0)])
-            .and_then([TxnOp::put(write_key, "", None)]);
+            .when([Compare::create_revision(write_key.as_str(), CompareOp::Less, 0)])
+            .and_then([TxnOp::put(write_key.as_str(), "", None)]);
         client.txn(never).await
     };
     match tokio::time::timeout(REQUEST_TIMEOUT * 2, probe).await {

@@ -101,28 +101,42 @@ const SYSTEM_BUNDLE: &str = "/etc/ssl/certs/ca-certificates.crt";
 /// A reqwest client builder for rootrank's HTTP clients: `https://` URLs are verified
 /// against `cacert` (a PEM bundle), or the system bundle when `None`; `http://` works as ever.
 pub fn http_client(cacert: Option<&Path>) -> Result<reqwest::ClientBuilder, TlsError> {
-    let mut roots = rustls::RootCertStore::empty();
-    match cacert {
+    let config = match cacert {
         Some(path) => {
+            let mut roots = rustls::RootCertStore::empty();
             for c in certificates("--cacert", path)? {
                 roots
                     .add(c)
                     .map_err(|e| TlsError::Client(format!("--cacert {}: {e}", path.display())))?;
             }
+            client_config(roots)?
         }
-        None => {
-            if let Ok(pem) = std::fs::read(SYSTEM_BUNDLE) {
-                let (_added, _ignored) =
-                    roots.add_parsable_certificates(CertificateDer::pem_slice_iter(&pem).filter_map(Result::ok));
-            }
-        }
+        // Parsed once per process: tests and the CLI build clients often.
+        None => match SYSTEM.get_or_init(|| client_config(system_roots()).map_err(|e| e.to_string())) {
+            Ok(c) => c.clone(),
+            Err(e) => return Err(TlsError::Client(e.clone())),
+        },
+    };
+    Ok(reqwest::Client::builder().tls_backend_preconfigured(config))
+}
+
+static SYSTEM: std::sync::OnceLock<Result<rustls::ClientConfig, String>> = std::sync::OnceLock::new();
+
+fn system_roots() -> rustls::RootCertStore {
+    let mut roots = rustls::RootCertStore::empty();
+    if let Ok(pem) = std::fs::read(SYSTEM_BUNDLE) {
+        let (_added, _ignored) =
+            roots.add_parsable_certificates(CertificateDer::pem_slice_iter(&pem).filter_map(Result::ok));
     }
-    let config = rustls::ClientConfig::builder_with_provider(provider())
+    roots
+}
+
+fn client_config(roots: rustls::RootCertStore) -> Result<rustls::ClientConfig, TlsError> {
+    Ok(rustls::ClientConfig::builder_with_provider(provider())
         .with_safe_default_protocol_versions()
         .map_err(|e| TlsError::Client(e.to_string()))?
         .with_root_certificates(roots)
-        .with_no_client_auth();
-    Ok(reqwest::Client::builder().tls_backend_preconfigured(config))
+        .with_no_client_auth())
 }
 
 /// The coordinator's bearer token. `Debug` never shows it.
