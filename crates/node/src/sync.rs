@@ -1,22 +1,15 @@
-//! The node watchdog's view of etcd: a snapshot of live keys and down certificates, then a
-//! watch from the snapshot's revision + 1, following the coordinator's pattern:
-//!
-//! - A broken watch (etcd restart, member down) is re-created from the last seen revision
-//!   + 1, so nothing that happened meanwhile is missed.
-//! - A compacted start revision means events are lost: reload from a fresh snapshot.
-//! - A silent etcd (blackholed: no reset, no error) is noticed as the coordinator notices it
-//!   (`rootrank_store::Silence`: progress requests, the watch given up after
-//!   `SILENT_LIMIT`), and so is a watch etcd does not open within the request timeout:
-//!   the watch is re-created, on whichever endpoint answers, instead of staying blind.
+//! The node watchdog's view of etcd: live keys, down certificates and stall records, kept by
+//! the follower the coordinator runs too (`rootrank_store::follow`): a snapshot, then a watch
+//! from its revision + 1, re-created from the last revision + 1 when broken, a new snapshot
+//! after a compaction, and a silent etcd (blackholed: no reset, no error) or a watch etcd
+//! does not open in time given up and re-created on whichever endpoint answers.
 //!
 //! Only what the watchdog needs leaves this module, as [`SyncMsg`]s.
 
 use std::collections::HashSet;
-use std::time::{Duration, Instant};
 
-use rootrank_core::{GroupId, Incarnation, KeyKind, Keys, Rank, RankLive, RankStall};
-use rootrank_store::etcd_client::{Client, EventType, WatchOptions};
-use rootrank_store::{Backoff, Silence, SILENT_LIMIT};
+use rootrank_core::{Event, GroupId, Incarnation, KeyKind, Keys, Rank, RankLive, RankStall};
+use rootrank_store::{Mirror, SnapshotStats};
 use tokio::sync::mpsc;
 use tracing::{debug, info, warn};
 
@@ -122,75 +115,39 @@ fn down_id(keys: &Keys, key: &[u8]) -> Option<IncarnationId> {
 /// Runs until the receiver is dropped.
 pub(crate) async fn run(etcd: rootrank_store::EtcdAccess, prefix: String, tx: mpsc::UnboundedSender<SyncMsg>) {
     let keys = Keys::new(&prefix);
-    let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(2));
-    let mut client: Option<Client> = None;
-    let mut revision: Option<i64> = None;
-    loop {
-        if tx.is_closed() {
-            return;
-        }
-        let c = match &client {
-            Some(c) => c.clone(),
-            None => match rootrank_store::connect(&etcd).await {
-                Ok(c) => client.insert(c).clone(),
-                Err(e) => {
-                    warn!(error = %e, "node watchdog cannot reach etcd; retrying");
-                    tokio::time::sleep(backoff.next_pause()).await;
-                    continue;
-                }
-            },
-        };
-        let rev = match revision {
-            Some(r) => r,
-            None => match load(&keys, c.clone(), &tx).await {
-                Ok(r) => r,
-                Err(e) => {
-                    warn!(error = %e, "snapshot failed; retrying");
-                    tokio::time::sleep(backoff.next_pause()).await;
-                    continue;
-                }
-            },
-        };
-        match watch(&keys, c, rev, &tx, &mut backoff).await {
-            End::Compacted => {
-                warn!("watch start revision was compacted; reloading from a fresh snapshot");
-                revision = None;
-            }
-            End::Broken(last, why) => {
-                revision = Some(last);
-                debug!(why, "watch broke; re-creating from the last revision + 1");
-                tokio::time::sleep(backoff.next_pause()).await;
-            }
-            End::Silent(last) => {
-                revision = Some(last);
-                warn!(
-                    silent_ms = SILENT_LIMIT.as_millis() as u64,
-                    "etcd said nothing on the watch (partitioned?); node-watch is blind until it re-creates the watch"
-                );
-            }
-            End::Closed => return,
-        }
-    }
+    let watched = format!("{}/groups/", keys.prefix());
+    let mut mirror = RankMirror {
+        keys,
+        tx,
+        loading: None,
+    };
+    // One snapshot reader: a watchdog runs on every host, so its memory (pages in flight)
+    // matters more than the second or so parallel readers would save.
+    rootrank_store::follow(&etcd, &watched, 1, &mut mirror).await
 }
 
-async fn load(
-    keys: &Keys,
-    client: Client,
-    tx: &mpsc::UnboundedSender<SyncMsg>,
-) -> Result<i64, rootrank_store::etcd_client::Error> {
+/// node-watch's copy of etcd: only what the watchdog needs, sent on as [`SyncMsg`]s.
+struct RankMirror {
+    keys: Keys,
+    tx: mpsc::UnboundedSender<SyncMsg>,
+    /// A snapshot being read: live keys, certificate ids, stall records without a stack.
+    loading: Option<(Vec<LiveKv>, HashSet<IncarnationId>, Vec<StallKv>)>,
+}
+
+impl Mirror for RankMirror {
+    fn snapshot_started(&mut self) {
+        self.loading = Some(Default::default());
+    }
+
     // Page by page, keeping only live keys and certificate ids: room records (a million of
     // them on a busy cluster) pass through one page at a time and are dropped, so a node
     // watchdog's memory does not grow with the rooms of the whole fleet.
-    let mut lives = Vec::new();
-    let mut certified = HashSet::new();
-    let mut stalls = Vec::new();
-    let prefix = format!("{}/groups/", keys.prefix());
-    // One reader: a watchdog runs on every host, so its memory (pages in flight) matters more
-    // than the second or so parallel readers would save; its ranges are bounded all the same.
-    let readers = 1;
-    let stats = rootrank_store::snapshot_pages(&client, &prefix, 0, readers, |page| {
+    fn snapshot_page(&mut self, page: Vec<Event>) {
+        let Some((lives, certified, stalls)) = &mut self.loading else {
+            return;
+        };
         for ev in page {
-            let rootrank_core::Event::Put {
+            let Event::Put {
                 key,
                 value,
                 lease,
@@ -201,124 +158,74 @@ async fn load(
             else {
                 continue;
             };
-            if let Some(l) = live_kv(keys, &key, &value, lease, revision) {
+            if let Some(l) = live_kv(&self.keys, &key, &value, lease, revision) {
                 lives.push(l);
-            } else if let Some(s) = stall_kv(keys, &key, &value, lease, create_revision) {
+            } else if let Some(s) = stall_kv(&self.keys, &key, &value, lease, create_revision) {
                 stalls.push(s);
-            } else if let Some(id) = down_id(keys, &key) {
+            } else if let Some(id) = down_id(&self.keys, &key) {
                 certified.insert(id);
             }
         }
-    })
-    .await?;
-    let revision = stats.revision;
-    info!(
-        revision,
-        keys = stats.keys,
-        live = lives.len(),
-        certificates = certified.len(),
-        "node watchdog loaded the ranks from etcd"
-    );
-    let _ = tx.send(SyncMsg::Snapshot {
-        lives,
-        certified,
-        stalls,
-        revision,
-    });
-    Ok(revision)
-}
+    }
 
-enum End {
-    Compacted,
-    /// Broken, with the last revision seen.
-    Broken(i64, String),
-    /// etcd said nothing for `SILENT_LIMIT`, with the last revision seen.
-    Silent(i64),
-    Closed,
-}
+    fn snapshot_finished(&mut self, stats: &SnapshotStats) {
+        let Some((lives, certified, stalls)) = self.loading.take() else {
+            return;
+        };
+        info!(
+            revision = stats.revision,
+            keys = stats.keys,
+            live = lives.len(),
+            certificates = certified.len(),
+            "node watchdog loaded the ranks from etcd"
+        );
+        let _ = self.tx.send(SyncMsg::Snapshot {
+            lives,
+            certified,
+            stalls,
+            revision: stats.revision,
+        });
+    }
 
-async fn watch(
-    keys: &Keys,
-    mut client: Client,
-    mut revision: i64,
-    tx: &mpsc::UnboundedSender<SyncMsg>,
-    backoff: &mut Backoff,
-) -> End {
-    let opts = WatchOptions::new()
-        .with_prefix()
-        .with_start_revision(revision + 1)
-        .with_prev_key()
-        .with_progress_notify();
-    let created = tokio::time::timeout(
-        rootrank_store::REQUEST_TIMEOUT,
-        client.watch(format!("{}/groups/", keys.prefix()), Some(opts)),
-    )
-    .await;
-    let (mut requests, mut stream) = match created {
-        Ok(Ok(s)) => s.split(),
-        Ok(Err(e)) => return End::Broken(revision, e.to_string()),
-        Err(_) => {
-            let waited = rootrank_store::REQUEST_TIMEOUT;
-            return End::Broken(revision, format!("etcd did not open a watch within {waited:?}"));
-        }
-    };
-    let mut silence = Silence::standard(Instant::now());
-    loop {
-        let next = tokio::select! {
-            m = stream.message() => m,
-            silent = rootrank_store::tend_silence(&mut silence, &mut requests) => {
-                if silent {
-                    return End::Silent(revision);
-                }
-                continue;
-            }
-        };
-        let msg = match next {
-            Ok(Some(m)) => m,
-            Ok(None) => return End::Broken(revision, "watch stream ended".into()),
-            Err(e) => return End::Broken(revision, e.to_string()),
-        };
-        silence.heard(Instant::now());
-        if msg.compact_revision() > 0 {
-            return End::Compacted;
-        }
-        if msg.canceled() {
-            return End::Broken(revision, format!("watch canceled: {}", msg.cancel_reason()));
-        }
-        if msg.created() {
-            backoff.reset();
-        }
-        for ev in msg.events() {
-            let Some(kv) = ev.kv() else { continue };
-            revision = revision.max(kv.mod_revision());
-            let out = match ev.event_type() {
-                EventType::Put => live_kv(keys, kv.key(), kv.value(), kv.lease(), kv.mod_revision())
+    fn apply(&mut self, events: Vec<Event>, _revision: i64) {
+        for event in events {
+            let msg = match event {
+                Event::Put {
+                    key,
+                    value,
+                    lease,
+                    revision,
+                    create_revision,
+                    ..
+                } => live_kv(&self.keys, &key, &value, lease, revision)
                     .map(|l| SyncMsg::Live(Box::new(l)))
                     .or_else(|| {
-                        stall_kv(keys, kv.key(), kv.value(), kv.lease(), kv.create_revision())
-                            .map(|s| SyncMsg::Stall(Box::new(s)))
+                        stall_kv(&self.keys, &key, &value, lease, create_revision).map(|s| SyncMsg::Stall(Box::new(s)))
                     })
-                    .or_else(|| down_id(keys, kv.key()).map(SyncMsg::Certified)),
-                EventType::Delete => match keys.parse(kv.key()) {
+                    .or_else(|| down_id(&self.keys, &key).map(SyncMsg::Certified)),
+                Event::Delete { key, prev_lease, .. } => match self.keys.parse(&key) {
                     Some(KeyKind::Live { group, rank }) => Some(SyncMsg::LiveGone {
                         group,
                         rank,
-                        lease: ev.prev_kv().map(|p| p.lease()),
+                        lease: prev_lease,
                     }),
-                    _ => down_id(keys, kv.key()).map(SyncMsg::CertificateGone),
+                    _ => down_id(&self.keys, &key).map(SyncMsg::CertificateGone),
                 },
             };
-            if let Some(m) = out {
-                if tx.send(m).is_err() {
-                    return End::Closed;
-                }
+            if let Some(m) = msg {
+                let _ = self.tx.send(m);
             }
         }
-        // A progress notification (no events) says nothing changed up to its revision.
-        if msg.events().is_empty() {
-            if let Some(h) = msg.header() {
-                revision = revision.max(h.revision());
-            }
-        }
+    }
+
+    fn stale(&mut self, why: &str) {
+        warn!(
+            why,
+            "etcd said nothing on the watch, or the watch is lost (partitioned?); node-watch is blind until it re-creates the watch"
+        );
+    }
+
+    fn is_closed(&self) -> bool {
+        self.tx.is_closed()
     }
 }

@@ -11,35 +11,26 @@
 //! - [`snapshot_pages`]: the whole prefix at one revision, in parallel parts of short ranges
 //!   (etcd 3.4 walks a request's whole range whatever its limit).
 //! - [`RetainedWriter`]: records and certificates written until etcd takes them.
+//! - [`follow`]: keeps a [`Mirror`] equal to a prefix (snapshot, then watch), the policy in the
+//!   sans-IO [`Follower`]; the coordinator and node-watch both run it.
 //! - [`Backoff`]: retry pacing shared by every loop that talks to etcd.
 //! - [`embedded`]: a private etcd process, for `rootrank serve` on one machine and for tests.
 
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
 mod access;
 pub mod embedded;
+mod follow;
+pub mod follower;
 mod retained;
 mod silence;
 mod snapshot;
 
 pub use access::{AccessError, EtcdAccess, EtcdCredentialFiles};
+pub use follow::{follow, Mirror};
+pub use follower::Follower;
 pub use retained::{LazyClient, RefusalSink, Retained, RetainedWriter, WriteError, Written};
 pub use silence::{Silence, SilenceAction, PROGRESS_EVERY, SILENT_LIMIT};
 
-/// The I/O side of [`Silence`] for one watch: sleeps until its deadline and acts on it (asks
-/// etcd for a progress notification, at most `PROGRESS_EVERY` of waiting). `true` when etcd
-/// said nothing for `SILENT_LIMIT` and the watch is to be given up. Both followers race it
-/// against the watch stream (`tokio::select!`) and tell `silence` of every message.
-pub async fn tend_silence(silence: &mut Silence, requests: &mut etcd_client::WatchRequestSender) -> bool {
-    tokio::time::sleep_until(silence.poll_timeout().into()).await;
-    match silence.poll(std::time::Instant::now()) {
-        SilenceAction::GiveUp => true,
-        SilenceAction::RequestProgress => {
-            let _ = tokio::time::timeout(PROGRESS_EVERY, requests.request_progress()).await;
-            false
-        }
-        SilenceAction::Wait => false,
-    }
-}
 pub use snapshot::{put_event, snapshot_pages, Plan, SnapshotStats, DEFAULT_READERS, PAGE};
 
 use std::time::{Duration, Instant};

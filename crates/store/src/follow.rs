@@ -1,0 +1,219 @@
+//! The I/O shell around [`Follower`]: connects, reads snapshots, opens and reads the watch,
+//! and hands what etcd says to a [`Mirror`] (the coordinator's index, node-watch's ranks).
+//! Every decision (when to retry, reload, give a watch up) is the follower's.
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use etcd_client::{Client, EventType, WatchOptions, WatchResponse, WatchStream};
+use rootrank_core::Event;
+use tracing::{debug, info, warn};
+
+use crate::follower::{Action, Follower, Input, WatchMessage};
+use crate::{EtcdAccess, SnapshotStats};
+
+/// What a follower keeps equal to etcd. Called from the follow loop only, never concurrently.
+pub trait Mirror {
+    /// A snapshot starts: build fresh state beside the one serving now.
+    fn snapshot_started(&mut self);
+    /// A page of the snapshot, in no particular order.
+    fn snapshot_page(&mut self, page: Vec<Event>);
+    /// The snapshot is complete at `revision`: the fresh state replaces the old.
+    fn snapshot_finished(&mut self, stats: &SnapshotStats);
+    /// One watch response's events, in revision order (none for a progress notification);
+    /// the copy is current to `revision`.
+    fn apply(&mut self, events: Vec<Event>, revision: i64);
+    /// etcd confirmed a new watch: the copy is current.
+    fn current(&mut self) {}
+    /// The watch is lost (or a new one could not be opened): the copy is stale.
+    fn stale(&mut self, _why: &str) {}
+    /// A watch is being opened; `restart` for every one after the first.
+    fn watch_opening(&mut self, _from_revision: i64, _restart: bool) {}
+    /// The copy's own next deadline while watching (the coordinator's pending rooms).
+    fn poll_timeout(&self) -> Option<Instant> {
+        None
+    }
+    fn handle_timeout(&mut self, _now: Instant) {}
+    /// Whether whoever reads the copy has gone: the loop then returns.
+    fn is_closed(&self) -> bool {
+        false
+    }
+}
+
+/// Keeps `mirror` equal to everything under `prefix` until the copy is closed (or for ever).
+/// `readers`: parallel snapshot readers (one for a per-host watchdog, whose memory matters).
+pub async fn follow(access: &EtcdAccess, prefix: &str, readers: usize, mirror: &mut impl Mirror) {
+    let mut follower = Follower::standard();
+    let mut client: Option<Client> = None;
+    let mut watch: Option<WatchStream> = None;
+    let mut actions: VecDeque<Action> = follower.start().into();
+    loop {
+        while let Some(action) = actions.pop_front() {
+            let now = Instant::now;
+            match action {
+                Action::Connect => {
+                    let input = match crate::connect(access).await {
+                        Ok(c) => {
+                            client = Some(c);
+                            Input::Connected
+                        }
+                        Err(e) => {
+                            warn!(error = %e, "cannot reach etcd; retrying");
+                            Input::ConnectFailed(e.to_string())
+                        }
+                    };
+                    actions.extend(follower.handle(input, now()));
+                }
+                Action::LoadSnapshot => {
+                    let Some(c) = &client else { continue };
+                    let input = load(c, prefix, readers, mirror).await;
+                    actions.extend(follower.handle(input, now()));
+                }
+                Action::OpenWatch { from_revision, restart } => {
+                    let Some(c) = &mut client else { continue };
+                    mirror.watch_opening(from_revision, restart);
+                    let deadline = follower
+                        .poll_timeout()
+                        .unwrap_or_else(|| now() + crate::REQUEST_TIMEOUT);
+                    let input = match tokio::time::timeout_at(deadline.into(), open(c, prefix, from_revision)).await {
+                        Ok(Ok(w)) => {
+                            watch = Some(w);
+                            Input::WatchOpened
+                        }
+                        Ok(Err(e)) => Input::OpenFailed(e.to_string()),
+                        // The follower's deadline gives it up.
+                        Err(_) => continue,
+                    };
+                    actions.extend(follower.handle(input, now()));
+                }
+                Action::DropWatch => watch = None,
+                Action::RequestProgress => {
+                    if let Some(stream) = &mut watch {
+                        let _ = tokio::time::timeout(crate::PROGRESS_EVERY, stream.request_progress()).await;
+                    }
+                }
+                // Events are applied where the message is read (below).
+                Action::Apply { .. } => {}
+                Action::Current => {
+                    info!(revision = follower.revision(), "watching etcd; current");
+                    mirror.current();
+                }
+                Action::Stale { why } => {
+                    warn!(why, "not current: the watch on etcd is lost");
+                    mirror.stale(&why);
+                }
+            }
+        }
+        if mirror.is_closed() {
+            return;
+        }
+        let watching = watch.is_some();
+        let mirror_deadline = if watching { mirror.poll_timeout() } else { None };
+        tokio::select! {
+            message = next_message(&mut watch) => {
+                let now = Instant::now();
+                let (input, events) = match message {
+                    Ok(Some(m)) => summarize(m),
+                    Ok(None) => (Input::StreamEnded("the watch stream ended".into()), Vec::new()),
+                    Err(e) => (Input::StreamEnded(e.to_string()), Vec::new()),
+                };
+                let out = follower.handle(input, now);
+                if let Some(Action::Apply { revision }) = out.iter().find(|a| matches!(a, Action::Apply { .. })) {
+                    mirror.apply(events, *revision);
+                }
+                actions = out.into();
+            }
+            _ = sleep_until(follower.poll_timeout()) => {
+                actions = follower.handle_timeout(Instant::now()).into();
+            }
+            _ = sleep_until(mirror_deadline) => {
+                mirror.handle_timeout(Instant::now());
+            }
+            // A closed copy is noticed within a second even when etcd is quiet.
+            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+        }
+    }
+}
+
+async fn load(client: &Client, prefix: &str, readers: usize, mirror: &mut impl Mirror) -> Input {
+    mirror.snapshot_started();
+    let started = Instant::now();
+    match crate::snapshot_pages(client, prefix, crate::unix_ms(), readers, |page| {
+        mirror.snapshot_page(page)
+    })
+    .await
+    {
+        Ok(stats) => {
+            info!(
+                revision = stats.revision,
+                keys = stats.keys,
+                requests = stats.requests,
+                etcd_walked = stats.walked,
+                readers = stats.readers,
+                busy_readers = stats.busy_readers,
+                read_s = started.elapsed().as_secs_f64(),
+                "snapshot read"
+            );
+            mirror.snapshot_finished(&stats);
+            Input::Loaded {
+                revision: stats.revision,
+            }
+        }
+        Err(e) => {
+            warn!(error = %e, "snapshot failed; retrying");
+            Input::LoadFailed(e.to_string())
+        }
+    }
+}
+
+async fn open(client: &mut Client, prefix: &str, from_revision: i64) -> Result<WatchStream, etcd_client::Error> {
+    let opts = WatchOptions::new()
+        .with_prefix()
+        .with_start_revision(from_revision)
+        .with_prev_key()
+        .with_progress_notify();
+    debug!(from_revision, "opening the watch");
+    client.watch(prefix, Some(opts)).await
+}
+
+async fn next_message(watch: &mut Option<WatchStream>) -> Result<Option<WatchResponse>, etcd_client::Error> {
+    match watch {
+        Some(stream) => stream.message().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// The follower's summary of a response, and its events as the core's [`Event`]s.
+fn summarize(m: WatchResponse) -> (Input, Vec<Event>) {
+    let now = crate::unix_ms();
+    let mut last = None;
+    let mut events = Vec::with_capacity(m.events().len());
+    for ev in m.events() {
+        let Some(kv) = ev.kv() else { continue };
+        last = Some(kv.mod_revision());
+        events.push(match ev.event_type() {
+            EventType::Put => crate::put_event(kv.clone(), now),
+            EventType::Delete => Event::Delete {
+                key: kv.key().to_vec(),
+                prev_lease: ev.prev_kv().map(|p| p.lease()),
+                revision: kv.mod_revision(),
+                observed_at_ms: now,
+            },
+        });
+    }
+    let summary = WatchMessage {
+        created: m.created(),
+        compact_revision: m.compact_revision(),
+        canceled: m.canceled().then(|| m.cancel_reason().to_string()),
+        last_event_revision: last,
+        header_revision: m.header().map_or(0, |h| h.revision()),
+    };
+    (Input::Message(summary), events)
+}
+
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at.into()).await,
+        None => std::future::pending().await,
+    }
+}
