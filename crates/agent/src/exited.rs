@@ -118,6 +118,9 @@ async fn certify(
             pid: live.pid,
             observed_revision: None,
             registered_revision: Some(registered),
+            lease_ttl_ms: live.lease_ttl_ms,
+            group_size: Some(live.group_size),
+            role: live.role.clone(),
         };
         let key = keys.down(&live.group, live.rank, incarnation);
         match writer

@@ -666,6 +666,9 @@ async fn publisher(
                 pid: Some(config.pid),
                 observed_revision: None,
                 registered_revision: Some(registered_revision.load(Ordering::SeqCst)).filter(|r| *r > 0),
+                lease_ttl_ms: Some((lease_ttl_secs(&config) * 1000) as u64),
+                group_size: Some(config.group_size),
+                role: config.role.clone(),
             }
         };
     // A command taken off the queue while gathering a batch, handled next.

@@ -288,6 +288,9 @@ async fn certificate_writer(config: CoordinatorConfig, mut rx: mpsc::UnboundedRe
             host,
             pid,
             registered_revision,
+            lease_ttl_ms,
+            group_size,
+            role,
         } = o
         else {
             continue;
@@ -307,6 +310,9 @@ async fn certificate_writer(config: CoordinatorConfig, mut rx: mpsc::UnboundedRe
             pid,
             observed_revision: Some(revision),
             registered_revision: Some(registered_revision),
+            lease_ttl_ms,
+            group_size: Some(group_size),
+            role,
         };
         let key = keys.down(&group, rank, incarnation);
         let span = info_span!("certificate", %group, rank, %incarnation);

@@ -115,6 +115,10 @@ pub enum Output {
         host: Option<String>,
         pid: Option<u32>,
         registered_revision: i64,
+        /// The vanished incarnation's lease TTL, group size and role, for its certificate.
+        lease_ttl_ms: Option<u64>,
+        group_size: u32,
+        role: Option<String>,
     },
     /// v3: a rank's state changed (for `GET /v1/events`): registered (`live`), died (`down`
     /// or `shutdown`, with the reason as known at this revision; a later certificate that
@@ -150,7 +154,6 @@ pub(crate) struct RankState {
     /// The last few incarnations (newest last), for host/pid of a dead one and for the
     /// "re-registered before the room's first record" rule.
     pub(crate) history: Vec<Arc<LiveEntry>>,
-    pub(crate) last_failure: Option<LastFailure>,
     /// When each recent incarnation registered, from live records and from certificates
     /// (which keep it after the live record is gone).
     pub(crate) registrations: Vec<(Incarnation, i64)>,
@@ -170,6 +173,11 @@ impl RankState {
 }
 
 const HISTORY: usize = 8;
+
+/// A TTL from a record (bounded at parse) as the index's milliseconds.
+fn ttl_ms(ttl: u64) -> i64 {
+    i64::try_from(ttl).unwrap_or(i64::MAX)
+}
 
 #[derive(Clone, Debug, Serialize)]
 pub struct LastFailure {
@@ -206,6 +214,15 @@ pub(crate) struct Death {
     pub(crate) host: Option<String>,
     pub(crate) pid: Option<u32>,
     pub(crate) has_certificate: bool,
+    /// The incarnation's lease TTL as its certificate says (a group's pending window counts
+    /// it while the certificate exists); `None` for a death seen only as a vanished key.
+    pub(crate) lease_ttl_ms: Option<i64>,
+    /// The dead incarnation's `group_size` and `role`, as its certificate (or, until then, its
+    /// vanished live record) says: a group whose ranks are all dead keeps its shape.
+    pub(crate) group_size: Option<u32>,
+    pub(crate) role: Option<String>,
+    /// When the incarnation registered, as its certificate (or its live record) says.
+    pub(crate) registered_revision: Option<i64>,
     /// A `peer_lost` death first seen as such (rule 7). One that refines a death already seen
     /// (a vanished live key) is no victim: a verdict may already have named it (rule 2).
     pub(crate) victim: bool,
@@ -246,18 +263,11 @@ pub(crate) struct RoomEntry {
     pub(crate) resolved_by_victim: bool,
 }
 
+/// A group the index knows (a live record, a certificate or a room record names it). Its
+/// size and role are not kept here: they come from the records etcd holds now
+/// (`views.rs::group_shape`), so a replica that watched for a day and one started now agree.
 #[derive(Clone, Debug, Default)]
-pub(crate) struct GroupInfo {
-    /// `group_size` of the group's newest live record by etcd revision (`size_revision`) and
-    /// `role` of its newest live record that names one (`role_revision`): not of whichever
-    /// record was applied last, which a snapshot read in parallel parts would make depend on
-    /// page order.
-    pub(crate) group_size: Option<u32>,
-    pub(crate) role: Option<String>,
-    pub(crate) size_revision: i64,
-    pub(crate) role_revision: i64,
-    pub(crate) max_lease_ttl_ms: Option<i64>,
-}
+pub(crate) struct GroupInfo {}
 
 /// A root cause for `/v1/failures`: the culprit of one room, when it resolved.
 #[derive(Clone, Debug, Serialize)]
@@ -298,9 +308,10 @@ pub struct Index {
     /// a reloaded coordinator keep the same log. The root cause itself is derived when asked,
     /// so resolving a million rooms on a reload builds no strings.
     pub(crate) root_causes: BTreeSet<(i64, RoomId)>,
-    /// `local` room records per rank, for `repeat`: like everything a verdict uses, a
-    /// function of the records in etcd (they leave with their retention lease).
-    pub(crate) local_counts: BTreeMap<(GroupId, Rank), u32>,
+    /// `local` room records per rank (revision -> room), for `repeat` and a rank's last
+    /// failure: like everything a verdict uses, a function of the records in etcd (they leave
+    /// with their retention lease, and the rank's last failure with them).
+    pub(crate) local_records: BTreeMap<(GroupId, Rank), BTreeMap<i64, RoomId>>,
     /// NIXL agent name -> the rank that registered it, so a record naming its peer by agent
     /// name (all a prefill rank knows of its decode peer) leads to that rank (rule 5).
     pub(crate) agents: BTreeMap<String, (GroupId, Rank)>,
@@ -330,7 +341,7 @@ impl Index {
             ranks: BTreeMap::new(),
             deaths: BTreeMap::new(),
             rooms: HashMap::new(),
-            local_counts: BTreeMap::new(),
+            local_records: BTreeMap::new(),
             agents: BTreeMap::new(),
             endpoints: BTreeMap::new(),
             stalls: BTreeMap::new(),
@@ -454,12 +465,7 @@ impl Index {
                     .or_default()
                     .insert((group.clone(), *rank));
             }
-            let info = self.groups.entry(group.clone()).or_default();
-            info.group_size.get_or_insert(was.record.group_size);
-            if let Some(ttl) = was.record.lease_ttl_ms {
-                let ttl = i64::try_from(ttl).unwrap_or(i64::MAX);
-                info.max_lease_ttl_ms = Some(info.max_lease_ttl_ms.map_or(ttl, |m| m.max(ttl)));
-            }
+            self.groups.entry(group.clone()).or_default();
             let detail = vanished_detail(
                 was,
                 "its live key vanished while this coordinator was not watching (found missing when it reloaded), with no down certificate",
@@ -467,6 +473,29 @@ impl Index {
             self.incarnation_ended(group, *rank, was, revision, lost_at_ms, detail, &mut out);
         }
         out
+    }
+
+    /// The longest lease TTL of a group's incarnations registered by `registered_by` (a room's
+    /// first record: a rank that registered later cannot have failed it), as etcd says now:
+    /// its live records and its certificates (which carry the dead incarnation's TTL). A rank
+    /// that died silently may show up dead only a TTL late, so a pending room waits that long.
+    /// A value remembered from records etcd no longer holds, or one of an incarnation newer
+    /// than the room, would make a replica that watched answer differently from one started
+    /// later (and the window of a room already answered grow).
+    pub(crate) fn slowest_lease_ttl_ms(&self, group: &GroupId, registered_by: Option<i64>) -> Option<i64> {
+        let counts = |registered: Option<i64>| registered_by.is_none_or(|by| registered.is_none_or(|r| r <= by));
+        let live = self
+            .ranks
+            .range((group.clone(), Rank::MIN)..=(group.clone(), Rank::MAX))
+            .filter_map(|(_, s)| s.live.as_ref())
+            .filter(|l| counts(Some(l.registered_revision)))
+            .filter_map(|l| l.record.lease_ttl_ms.map(ttl_ms));
+        let certified = self
+            .deaths
+            .range((group.clone(), Rank::MIN, Incarnation::MIN)..=(group.clone(), Rank::MAX, Incarnation::MAX))
+            .filter(|(_, d)| counts(d.registered_revision))
+            .filter_map(|(_, d)| d.lease_ttl_ms);
+        live.chain(certified).max()
     }
 
     /// Applies one event. Events must come in revision order (as etcd delivers them).
@@ -617,19 +646,31 @@ impl Index {
                 rank,
                 incarnation,
             }) => {
-                // The retention lease ran out: the death is history beyond the window.
+                // The retention lease ran out: the death is history beyond the window, and so
+                // is the incarnation (unless it is the live one): what a replica started now
+                // cannot know must not decide anything here either.
                 self.deaths.remove(&(group.clone(), rank, incarnation));
+                let key = (group.clone(), rank);
+                if let Some(state) = self.ranks.get_mut(&key) {
+                    if state.live.as_ref().is_none_or(|l| l.incarnation != incarnation) {
+                        state.registrations.retain(|(i, _)| *i != incarnation);
+                        state.history.retain(|h| h.incarnation != incarnation);
+                    }
+                    if state.live.is_none() && state.registrations.is_empty() && state.history.is_empty() {
+                        self.ranks.remove(&key);
+                    }
+                }
                 self.prune_group(&group);
             }
             Some(KeyKind::Room { group, room, rank }) => {
                 let Some(entry) = self.rooms.get_mut(&room) else { return };
                 let before = entry.records.len();
-                if entry
+                if let Some(r) = entry
                     .records
                     .iter()
-                    .any(|r| r.group == group && r.rank == rank && r.origin == Origin::Local)
+                    .find(|r| r.group == group && r.rank == rank && r.origin == Origin::Local)
                 {
-                    count_local(&mut self.local_counts, &group, rank, -1);
+                    note_local(&mut self.local_records, &group, rank, r.revision, None);
                 }
                 entry.records.retain(|r| !(r.group == group && r.rank == rank));
                 let removed = before - entry.records.len();
@@ -646,6 +687,10 @@ impl Index {
                     if let Some(rev) = self.rooms.remove(&room).and_then(|e| e.root_cause_revision) {
                         self.root_causes.remove(&(rev, room));
                     }
+                } else if !entry.resolved && self.loading_now_ms.is_none() {
+                    // Its first record may have gone: the room's windows start later now, and
+                    // a death they did not reach may count, as on a replica that loads now.
+                    self.recheck_room(room, revision, now, out);
                 }
                 self.prune_group(&group);
             }
@@ -680,7 +725,7 @@ impl Index {
             .collect();
         for k in &ranks {
             self.ranks.remove(k);
-            self.local_counts.remove(k);
+            self.local_records.remove(k);
             self.stalls.remove(k);
         }
         self.unresolved.remove(group);
@@ -702,19 +747,7 @@ impl Index {
         now: i64,
         out: &mut Vec<Output>,
     ) {
-        let info = self.groups.entry(group.clone()).or_default();
-        if revision >= info.size_revision {
-            info.size_revision = revision;
-            info.group_size = Some(rec.group_size);
-        }
-        if rec.role.is_some() && revision >= info.role_revision {
-            info.role_revision = revision;
-            info.role.clone_from(&rec.role);
-        }
-        if let Some(ttl) = rec.lease_ttl_ms {
-            let ttl = i64::try_from(ttl).unwrap_or(i64::MAX);
-            info.max_lease_ttl_ms = Some(info.max_lease_ttl_ms.map_or(ttl, |m| m.max(ttl)));
-        }
+        self.groups.entry(group.clone()).or_default();
         // Indexed on every put: a rank may publish its endpoints after it registered.
         for endpoint in &rec.endpoints {
             self.endpoints
@@ -819,6 +852,10 @@ impl Index {
             host: live.record.host.clone(),
             pid: live.record.pid,
             has_certificate: false,
+            lease_ttl_ms: None,
+            group_size: Some(live.record.group_size),
+            role: live.record.role.clone(),
+            registered_revision: Some(live.registered_revision),
             victim: false,
         };
         self.deaths.insert((group.clone(), rank, inc), death);
@@ -841,6 +878,9 @@ impl Index {
             host: live.record.host.clone(),
             pid: live.record.pid,
             registered_revision: live.registered_revision,
+            lease_ttl_ms: live.record.lease_ttl_ms,
+            group_size: live.record.group_size,
+            role: live.record.role.clone(),
         });
         self.recheck_group(group, revision, now, out);
     }
@@ -894,12 +934,17 @@ impl Index {
                 // replica only observed (a vanished key, not yet certified) gives way to the
                 // certificate's: replicas observe at different instants, and a verdict must be
                 // a function of etcd state, the same on every replica and after a reload.
-                d.at_ms = if d.evidence == DeathEvidence::Vanished {
-                    at_ms
+                let observed_here = d.evidence == DeathEvidence::Vanished;
+                d.at_ms = if observed_here { at_ms } else { d.at_ms.min(at_ms) };
+                // Likewise its revision: replicas that saw the key vanish at different
+                // revisions (one watching, one reloading after a compaction) adopt the one
+                // the certificate that landed says.
+                let moved = observed_here && d.revision != first_seen;
+                d.revision = if observed_here {
+                    first_seen
                 } else {
-                    d.at_ms.min(at_ms)
+                    d.revision.min(first_seen)
                 };
-                d.revision = d.revision.min(first_seen);
                 d.changed_revision = d.changed_revision.max(revision);
                 d.reason = reason;
                 d.detail = rec.detail;
@@ -910,8 +955,15 @@ impl Index {
                 d.host = rec.host.or(d.host.take());
                 d.pid = rec.pid.or(d.pid);
                 d.has_certificate = true;
+                d.lease_ttl_ms = rec.lease_ttl_ms.map(ttl_ms).or(d.lease_ttl_ms);
+                d.group_size = rec.group_size.or(d.group_size);
+                d.role = rec.role.or(d.role.take());
+                d.registered_revision = rec.registered_revision.or(d.registered_revision);
                 // A death becomes no victim later (a verdict may have named it: rule 2).
                 d.victim = d.victim && victim;
+                if moved && self.loading_now_ms.is_none() {
+                    self.relog_root_causes();
+                }
             }
             None => {
                 self.deaths.insert(
@@ -929,6 +981,10 @@ impl Index {
                         host: rec.host,
                         pid: rec.pid,
                         has_certificate: true,
+                        lease_ttl_ms: rec.lease_ttl_ms.map(ttl_ms),
+                        group_size: rec.group_size,
+                        role: rec.role,
+                        registered_revision: rec.registered_revision,
                         victim,
                     },
                 );
@@ -1032,17 +1088,6 @@ impl Index {
         let reason = self.intern_reason(rec.reason.clone());
         let at_ms = rec.at.as_deref().and_then(time::parse_ms).unwrap_or(now);
         let room = rec.room;
-        if rec.origin == Origin::Local {
-            let state = self.ranks.entry((group.clone(), rec.rank)).or_default();
-            if state.last_failure.as_ref().is_none_or(|f| f.revision < revision) {
-                state.last_failure = Some(LastFailure {
-                    room,
-                    reason: reason.clone(),
-                    at: time::format_ms(at_ms),
-                    revision,
-                });
-            }
-        }
         let record = RoomRecord {
             group: group.clone(),
             rank: rec.rank,
@@ -1070,11 +1115,11 @@ impl Index {
                 *n = n.saturating_sub(1);
             }
             if old.origin == Origin::Local {
-                count_local(&mut self.local_counts, &group, rec.rank, -1);
+                note_local(&mut self.local_records, &group, rec.rank, old.revision, None);
             }
         }
         if rec.origin == Origin::Local {
-            count_local(&mut self.local_counts, &group, rec.rank, 1);
+            note_local(&mut self.local_records, &group, rec.rank, revision, Some(room));
         }
         let pos = entry.records.partition_point(|r| r.revision <= revision);
         // A Vec grows to 4 slots on its first push; most rooms hold a handful of records,
@@ -1124,17 +1169,14 @@ impl Index {
                 if let crate::verdict::Decision::Pending { remaining_ms }
                 | crate::verdict::Decision::VictimPending { remaining_ms } = decision.last()
                 {
-                    self.timers.insert((now.saturating_add((*remaining_ms).max(1)), room));
+                    // The window is inclusive: the answer is final the millisecond after it.
+                    self.timers
+                        .insert((now.saturating_add((*remaining_ms).max(0)).saturating_add(1), room));
                 }
-                if matches!(decision.last(), crate::verdict::Decision::Unknown) {
-                    // Past the pending window only a local record can still resolve it, and
-                    // that path re-checks on its own.
-                    for g in &groups {
-                        if let Some(set) = self.unresolved.get_mut(g) {
-                            set.remove(&room);
-                        }
-                    }
-                }
+                // An `unknown` room stays watched: past its window a local record, or a death
+                // etcd learns late (a certificate delayed while the coordinator could not write
+                // it, dated inside the window), can still resolve it, as it would on a replica
+                // that loads now. It leaves with its records.
                 return;
             }
         };
@@ -1259,13 +1301,27 @@ impl Index {
     }
 }
 
-fn count_local(counts: &mut BTreeMap<(GroupId, Rank), u32>, group: &GroupId, rank: Rank, delta: i32) {
+/// A rank's `local` record at `revision` added (`Some(room)`) or gone (`None`).
+fn note_local(
+    records: &mut BTreeMap<(GroupId, Rank), BTreeMap<i64, RoomId>>,
+    group: &GroupId,
+    rank: Rank,
+    revision: i64,
+    room: Option<RoomId>,
+) {
     let key = (group.clone(), rank);
-    let n = counts.get(&key).copied().unwrap_or(0).saturating_add_signed(delta);
-    if n == 0 {
-        counts.remove(&key);
-    } else {
-        counts.insert(key, n);
+    match room {
+        Some(room) => {
+            records.entry(key).or_default().insert(revision, room);
+        }
+        None => {
+            if let Some(of_rank) = records.get_mut(&key) {
+                of_rank.remove(&revision);
+                if of_rank.is_empty() {
+                    records.remove(&key);
+                }
+            }
+        }
     }
 }
 

@@ -187,6 +187,17 @@ pub struct RankDown {
     /// for the "re-registered before the room's first record" rule after a reload.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub registered_revision: Option<i64>,
+    /// rootrank extension (not in SPEC v1): the dead incarnation's lease TTL (its live
+    /// record's `lease_ttl_ms`), so a group's pending window keeps counting it for as long as
+    /// the certificate exists, on every replica, after its live record is gone.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lease_ttl_ms: Option<u64>,
+    /// rootrank extensions (not in SPEC v1): the dead incarnation's `group_size` and `role`,
+    /// so a group whose ranks are all dead keeps its shape on a replica started after.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub group_size: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub role: Option<String>,
 }
 
 /// v3 `{p}/groups/{group}/ranks/{rank}/stall`, on the rank's liveness lease: the rank is

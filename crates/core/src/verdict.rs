@@ -289,7 +289,7 @@ impl Index {
         };
         let slowest_ttl = groups
             .iter()
-            .filter_map(|g| self.groups.get(g).and_then(|i| i.max_lease_ttl_ms))
+            .filter_map(|g| self.slowest_lease_ttl_ms(g, first_revision))
             .max()
             .unwrap_or(self.config.default_lease_ttl_ms);
         Scope {
@@ -390,7 +390,9 @@ impl Index {
             }
         }
         let until = scope.t0_ms + scope.pending_window_ms;
-        if now_ms < until {
+        // Inclusive, as `counted_deaths` is: a death dated at the window's last millisecond
+        // still counts, so the room is final only after it.
+        if now_ms <= until {
             Decision::Pending {
                 remaining_ms: until - now_ms,
             }
@@ -611,7 +613,8 @@ fn decide_candidates(
     }
     let (key, _) = victim?;
     let (_, until) = until?;
-    Some(if now_ms < until {
+    // Inclusive, as `counts` is.
+    Some(if now_ms <= until {
         Decision::VictimPending {
             remaining_ms: until - now_ms,
         }
@@ -709,7 +712,9 @@ impl Index {
                 .filter(|((_, r, _), d)| *r == rank && !d.reason.is_shutdown())
                 .count() as u32
         } else {
-            self.local_counts.get(&(group.clone(), rank)).copied().unwrap_or(0)
+            self.local_records
+                .get(&(group.clone(), rank))
+                .map_or(0, |r| u32::try_from(r.len()).unwrap_or(u32::MAX))
         };
         n.max(1)
     }

@@ -137,7 +137,7 @@ pub struct GroupSummary {
 impl Index {
     /// One group's ranks (`GET /v1/groups/{group}`); `None` for a group never seen.
     pub fn group(&self, group: &GroupId) -> Option<GroupView> {
-        let info = self.groups.get(group)?;
+        self.groups.get(group)?;
         let known_max = self
             .ranks
             .range((group.clone(), 0)..=(group.clone(), Rank::MAX))
@@ -148,7 +148,7 @@ impl Index {
         let group_size = self
             .live_shape(group)
             .0
-            .or(info.group_size)
+            .or(self.certified_shape(group).0)
             .unwrap_or(known_max)
             .max(known_max);
         let ranks = (0..group_size).map(|rank| self.rank_view(group, rank)).collect();
@@ -159,9 +159,26 @@ impl Index {
         })
     }
 
+    /// The rank's newest `local` record that etcd still holds.
+    fn last_failure(&self, group: &GroupId, rank: Rank) -> Option<LastFailure> {
+        let (revision, room) = self.local_records.get(&(group.clone(), rank))?.last_key_value()?;
+        let record = self
+            .rooms
+            .get(room)?
+            .records
+            .iter()
+            .find(|r| &r.group == group && r.rank == rank)?;
+        Some(LastFailure {
+            room: *room,
+            reason: record.reason.clone(),
+            at: time::format_ms(record.at_ms),
+            revision: *revision,
+        })
+    }
+
     fn rank_view(&self, group: &GroupId, rank: Rank) -> RankView {
         let state = self.ranks.get(&(group.clone(), rank));
-        let last_failure = state.and_then(|s| s.last_failure.clone());
+        let last_failure = self.last_failure(group, rank);
         // The newest death of this rank, if any.
         let newest_death = self
             .deaths_of(group)
@@ -495,15 +512,23 @@ impl Index {
 
     /// The role its ranks registered with (`prefill`, `decode`), when they said.
     pub fn group_role(&self, group: &GroupId) -> Option<&str> {
-        self.live_shape(group)
-            .1
-            .or_else(|| self.groups.get(group).and_then(|g| g.role.as_deref()))
+        self.live_shape(group).1.or_else(|| self.certified_shape(group).1)
+    }
+
+    /// The same from the newest death (by revision) whose certificate says, for a group with
+    /// no live rank: what etcd still holds of it, not what this replica remembers.
+    fn certified_shape(&self, group: &GroupId) -> (Option<u32>, Option<&str>) {
+        let mut deaths: Vec<_> = self.deaths_of(group).collect();
+        deaths.sort_by_key(|((_, rank, inc), d)| (std::cmp::Reverse(d.revision), *rank, *inc));
+        let size = deaths.iter().find_map(|(_, d)| d.group_size);
+        let role = deaths.iter().find_map(|(_, d)| d.role.as_deref());
+        (size, role)
     }
 
     /// `group_size` of the group's newest live incarnation (by registration revision) and the
     /// role of the newest that names one: a function of the live records etcd holds now, so a
     /// replica that watched and one that loaded agree when ranks disagree (a misconfigured
-    /// restart). `None`s when no rank is live (then the group's last known values count).
+    /// restart). `None`s when no rank is live (then its certificates say).
     fn live_shape(&self, group: &GroupId) -> (Option<u32>, Option<&str>) {
         let mut size: Option<(i64, u32)> = None;
         let mut role: Option<(i64, &str)> = None;

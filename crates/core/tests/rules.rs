@@ -384,7 +384,8 @@ fn rule3_and_4_pending_until_the_slowest_lease_plus_grace_then_unknown() {
     group_of_four(&mut w);
     w.register(G, 3, 4, 9000); // the slowest rank's TTL decides
     w.record(G, 0, 21, "propagated", "other");
-    w.advance(9999);
+    w.advance(10_000);
+    // The window is inclusive (a death dated at its last millisecond counts).
     let v = w.verdict(21, None);
     assert_eq!((v.status, v.action), (Status::Pending, Action::Wait));
     w.advance(1);
@@ -625,8 +626,8 @@ fn a_room_resolved_by_time_is_announced_at_its_deadline_without_a_new_event() {
     let deadline = w.index.poll_timeout().expect("a pending room has a deadline");
     assert_eq!(
         deadline,
-        w.now + 6_000,
-        "the slowest TTL (5 s) + 1 s after the victim's death"
+        w.now + 6_001,
+        "the slowest TTL (5 s) + 1 s after the victim's death, inclusive"
     );
     assert!(
         w.index.handle_timeout(deadline - 1).is_empty(),

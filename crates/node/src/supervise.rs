@@ -111,6 +111,9 @@ struct Known {
     registered_revision: i64,
     gpu: Option<String>,
     host: Option<String>,
+    lease_ttl_ms: Option<u64>,
+    group_size: Option<u32>,
+    role: Option<String>,
 }
 
 struct Discovery {
@@ -291,6 +294,9 @@ async fn supervise_inner(config: SuperviseConfig) -> Result<SupervisedExit, Node
         pid: Some(known.pid),
         observed_revision: None,
         registered_revision: Some(known.registered_revision).filter(|r| *r > 0),
+        lease_ttl_ms: known.lease_ttl_ms,
+        group_size: known.group_size,
+        role: known.role.clone(),
     };
     let mut writer = CertWriter::new(config.etcd.clone(), &config.prefix, config.retention);
     let written = writer
@@ -397,6 +403,9 @@ async fn lookup(etcd: &mut Etcd, key: &str, child: u32) -> Lookup {
         registered_revision: kv.mod_revision(),
         gpu: live.gpu,
         host: live.host,
+        lease_ttl_ms: live.lease_ttl_ms,
+        group_size: Some(live.group_size),
+        role: live.role,
     })
 }
 
@@ -560,6 +569,9 @@ async fn register_for_child(
         pid,
         registered_revision: found.as_ref().map_or(0, |k| k.registered_revision),
         gpu: None,
+        lease_ttl_ms: found.as_ref().and_then(|k| k.lease_ttl_ms),
+        group_size: found.as_ref().and_then(|k| k.group_size),
+        role: found.as_ref().and_then(|k| k.role.clone()),
         host: found.and_then(|k| k.host),
     })
 }
@@ -606,6 +618,10 @@ async fn mint_incarnation(config: &SuperviseConfig, pid: u32, etcd: &mut Etcd, l
                     registered_revision: revision,
                     gpu: None,
                     host: crate::HostIdentity::current().map(|h| h.hostname),
+                    // Nothing registered: no live record to say.
+                    lease_ttl_ms: None,
+                    group_size: None,
+                    role: None,
                 });
             }
         }

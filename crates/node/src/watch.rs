@@ -73,6 +73,9 @@ struct Watched {
     registered_revision: i64,
     gpu: Option<String>,
     host: Option<String>,
+    lease_ttl_ms: Option<u64>,
+    group_size: u32,
+    role: Option<String>,
     /// Added from the first snapshot: an exit found at once means the rank died while no
     /// watchdog was looking.
     at_start: bool,
@@ -335,6 +338,9 @@ impl State {
             registered_revision: l.mod_revision,
             gpu: l.record.gpu.clone(),
             host: l.record.host.clone(),
+            lease_ttl_ms: l.record.lease_ttl_ms,
+            group_size: l.record.group_size,
+            role: l.record.role.clone(),
             at_start,
             supervisor: host::supervisor_of(pid),
         };
@@ -432,6 +438,9 @@ impl State {
                     pid: Some(w.pid),
                     observed_revision: None,
                     registered_revision: Some(w.registered_revision).filter(|r| *r > 0),
+                    lease_ttl_ms: w.lease_ttl_ms,
+                    group_size: Some(w.group_size),
+                    role: w.role.clone(),
                 };
                 let _ = tx.send(Report {
                     down,

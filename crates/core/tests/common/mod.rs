@@ -1,3 +1,4 @@
+#![allow(dead_code)] // each test binary uses a part of it
 //! A tiny etcd model for driving the index in tests: keys with leases and revisions, and the
 //! coordinator's one write (a `lease_expired` certificate for a vanished live key). Only what
 //! both `rules` and `properties` use is here; what one of them alone needs is in that file.
@@ -22,6 +23,10 @@ pub struct World {
     /// Every writer of a certificate knows when the incarnation registered (the live key's
     /// revision), and says so.
     pub registered_at_revision: BTreeMap<i64, i64>,
+    /// Each incarnation's lease TTL, which its certificates carry.
+    pub ttl_of: BTreeMap<i64, u64>,
+    /// Each incarnation's group size, which its certificates carry.
+    pub size_of: BTreeMap<i64, u32>,
     pub outputs: Vec<Output>,
     /// Emulate the coordinator persisting vanished live keys as certificates.
     pub coordinator_writes: bool,
@@ -55,6 +60,8 @@ impl World {
             next_lease: 7000,
             leases: BTreeMap::new(),
             registered_at_revision: BTreeMap::new(),
+            ttl_of: BTreeMap::new(),
+            size_of: BTreeMap::new(),
             outputs: Vec::new(),
             coordinator_writes: true,
         }
@@ -86,6 +93,9 @@ impl World {
                     host,
                     pid,
                     registered_revision: registered,
+                    lease_ttl_ms,
+                    group_size,
+                    role,
                 } = o
                 else {
                     continue;
@@ -95,7 +105,7 @@ impl World {
                 if !self.kv.contains_key(&k) {
                     let v = json!({"v":1,"group":g,"rank":r,"incarnation":inc.to_string(),"reason":"lease_expired",
                         "detail":detail,"source":"coordinator","at":time::format_ms(at),"observed_revision":revision,
-                        "host":host,"pid":pid,"registered_revision":registered});
+                        "host":host,"pid":pid,"registered_revision":registered,"lease_ttl_ms":lease_ttl_ms,"group_size":group_size,"role":role});
                     self.put_raw(&k, v.to_string().into_bytes(), 0);
                 }
             }
@@ -146,6 +156,8 @@ impl World {
             "lease_ttl_ms":ttl_ms,"started_at":time::format_ms(self.now),"agent":"rootrank-agent/0.1.0","nixl_agent":nixl_agent});
         self.put_raw(&key_live(g, r), v.to_string().into_bytes(), lease);
         self.registered_at_revision.insert(lease, self.rev);
+        self.ttl_of.insert(lease, ttl_ms);
+        self.size_of.insert(lease, size);
         lease
     }
 
@@ -180,7 +192,8 @@ impl World {
         }
         let v = json!({"v":1,"group":g,"rank":r,"incarnation":inc.to_string(),"reason":reason,"detail":format!("{reason} seen by {source}"),
             "source":source,"host":"host-a","pid":1000 + r,"at":at,"exit":{"code":null,"signal":9},"log_tail":["Traceback (most recent call last):","RuntimeError: boom"],
-            "observed_revision":observed_revision,"registered_revision":registered_revision});
+            "observed_revision":observed_revision,"registered_revision":registered_revision,"lease_ttl_ms":self.ttl_of.get(&inc),
+            "group_size":self.size_of.get(&inc),"role":self.size_of.get(&inc).map(|_| "prefill")});
         self.put_raw(&k, v.to_string().into_bytes(), 0);
     }
 
