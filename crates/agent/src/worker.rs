@@ -176,17 +176,15 @@ fn live_record(config: &AgentConfig, started_at: &str) -> Result<Vec<u8>, serde_
 /// expired) means a new incarnation: register again.
 async fn liveness(
     config: AgentConfig,
-    mut client: Client,
+    client: Client,
     shared: Arc<Shared>,
     attachments: Attachments,
     registered_revision: Arc<AtomicI64>,
-    mut stop: watch::Receiver<bool>,
+    stop: watch::Receiver<bool>,
 ) {
     let keys = Keys::new(&config.prefix);
     let ttl = lease_ttl_secs(&config);
-    let interval = Duration::from_millis((ttl as u64 * 1000 / 3).max(50));
     let started_at = time::format_ms(rootrank_store::unix_ms());
-    let live_key = keys.live(&config.group, config.rank);
     let live_value = match live_record(&config, &started_at) {
         Ok(v) => v,
         Err(e) => {
@@ -195,48 +193,117 @@ async fn liveness(
             return;
         }
     };
-    let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
-    // The lease of the incarnation that refused us last, to say a refusal once per holder.
-    let mut refused_by: Option<i64> = None;
-    'register: loop {
-        if *stop.borrow() || shared.stopping.load(Ordering::SeqCst) {
+    let mut l = Liveness {
+        live_key: keys.live(&config.group, config.rank),
+        keys,
+        interval: Duration::from_millis((ttl as u64 * 1000 / 3).max(50)),
+        ttl,
+        live_value,
+        config,
+        client,
+        shared,
+        attachments,
+        registered_revision,
+        stop,
+        backoff: Backoff::new(Duration::from_millis(50), Duration::from_secs(1)),
+        refused_by: None,
+    };
+    loop {
+        if *l.stop.borrow() || l.shared.stopping.load(Ordering::SeqCst) {
             return;
         }
-        // Register: a new lease, the live key and any attachments on it.
-        let lease = match client.lease_grant(ttl, None).await {
+        let lease = match l.register().await {
+            Next::Go(lease) => lease,
+            Next::Again => continue,
+            Next::Stop => return,
+        };
+        match l.keep_alive(lease).await {
+            Next::Stop => return,
+            // The incarnation is lost: register a new one.
+            Next::Go(()) | Next::Again => continue,
+        }
+    }
+}
+
+/// What the liveness loop does after a step.
+enum Next<T> {
+    Go(T),
+    Again,
+    Stop,
+}
+
+/// A rank's liveness: its incarnations (a lease, the live key on it, the attachments), one
+/// after another, each kept alive until it is lost.
+struct Liveness {
+    config: AgentConfig,
+    client: Client,
+    shared: Arc<Shared>,
+    attachments: Attachments,
+    registered_revision: Arc<AtomicI64>,
+    stop: watch::Receiver<bool>,
+    keys: Keys,
+    live_key: String,
+    live_value: Vec<u8>,
+    ttl: i64,
+    interval: Duration,
+    backoff: Backoff,
+    /// The lease of the incarnation that refused us last, to say a refusal once per holder.
+    refused_by: Option<i64>,
+}
+
+impl Liveness {
+    /// Sleeps `d`; `false` when the agent is stopping meanwhile.
+    async fn pause(&mut self, d: Duration) -> bool {
+        tokio::select! { _ = tokio::time::sleep(d) => true, _ = self.stop.changed() => false }
+    }
+
+    async fn backoff(&mut self) -> bool {
+        let d = self.backoff.next_pause();
+        self.pause(d).await
+    }
+
+    /// Registers a new incarnation: a new lease, the live key and any attachments on it.
+    async fn register(&mut self) -> Next<i64> {
+        let retry = |go_on: bool| if go_on { Next::Again } else { Next::Stop };
+        let lease = match self.client.lease_grant(self.ttl, None).await {
             Ok(r) => r.id(),
             Err(e) => {
                 let text = e.to_string();
-                if !note_refusal(&shared, &config.etcd, e).await {
+                if !note_refusal(&self.shared, &self.config.etcd, e).await {
                     warn!(error = %text, "agent could not grant its liveness lease; retrying");
                 }
-                tokio::select! { _ = tokio::time::sleep(backoff.next_pause()) => {}, _ = stop.changed() => return }
-                continue;
+                return retry(self.backoff().await);
             }
         };
-        let opts = PutOptions::new().with_lease(lease);
         // Create-if-absent (SPEC section 4): another incarnation's live key is never
         // overwritten, except a supervisor's registration for this very process.
-        let created = match register(&mut client, &config, &live_key, live_value.clone(), lease).await {
+        let created = match register(
+            &mut self.client,
+            &self.config,
+            &self.live_key,
+            self.live_value.clone(),
+            lease,
+        )
+        .await
+        {
             Ok(c) => c,
             Err(e) => {
                 let text = e.to_string();
-                if !note_refusal(&shared, &config.etcd, e).await {
+                if !note_refusal(&self.shared, &self.config.etcd, e).await {
                     warn!(error = %text, "agent could not write its live key; retrying");
                 }
-                revoke_quietly(&mut client, lease).await;
-                tokio::select! { _ = tokio::time::sleep(backoff.next_pause()) => {}, _ = stop.changed() => return }
-                continue;
+                revoke_quietly(&mut self.client, lease).await;
+                return retry(self.backoff().await);
             }
         };
         match created {
-            Registration::Created(revision) => registered_revision.store(revision, Ordering::SeqCst),
+            Registration::Created(revision) => self.registered_revision.store(revision, Ordering::SeqCst),
             Registration::Refused(holder) => {
-                revoke_quietly(&mut client, lease).await;
-                let why = refusal(&config, holder.as_deref());
+                revoke_quietly(&mut self.client, lease).await;
+                let why = refusal(&self.config, holder.as_deref());
                 // Said once per holder: retrying quietly is the point.
-                if refused_by != Some(holder.as_ref().map_or(0, |h| h.lease)) {
-                    refused_by = Some(holder.as_ref().map_or(0, |h| h.lease));
+                if self.refused_by != Some(holder.as_ref().map_or(0, |h| h.lease)) {
+                    self.refused_by = Some(holder.as_ref().map_or(0, |h| h.lease));
                     if holder.as_ref().is_some_and(|h| h.names_our_process) {
                         // A supervisor asked to register for a process whose own agent did
                         // first: that registration is the rank's, nothing is wrong.
@@ -245,31 +312,38 @@ async fn liveness(
                         error!("{why}");
                     }
                 }
-                shared.set_refused(Some(why));
-                tokio::select! { _ = tokio::time::sleep(REFUSED_RETRY) => {}, _ = stop.changed() => return }
-                continue;
+                self.shared.set_refused(Some(why));
+                return retry(self.pause(REFUSED_RETRY).await);
             }
         }
-        refused_by = None;
-        let attached: Vec<(String, Vec<u8>)> = attachments
+        self.refused_by = None;
+        let opts = PutOptions::new().with_lease(lease);
+        let attached: Vec<(String, Vec<u8>)> = self
+            .attachments
             .lock()
             .map(|a| a.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
             .unwrap_or_default();
         for (suffix, value) in attached {
-            let key = keys.rank_attachment(&config.group, config.rank, &suffix);
-            if let Err(e) = client.put(key, value, Some(opts.clone())).await {
+            let key = self.keys.rank_attachment(&self.config.group, self.config.rank, &suffix);
+            if let Err(e) = self.client.put(key, value, Some(opts.clone())).await {
                 warn!(error = %e, suffix, "agent could not re-attach a key to its new lease");
             }
         }
-        shared.set_etcd_refused(None);
-        shared.set_incarnation(lease);
-        info!(incarnation = lease, ttl_s = ttl, "rank registered");
-        backoff.reset();
+        self.shared.set_etcd_refused(None);
+        self.shared.set_incarnation(lease);
+        info!(incarnation = lease, ttl_s = self.ttl, "rank registered");
+        self.backoff.reset();
+        Next::Go(lease)
+    }
 
-        // Keep alive. Streams die with etcd restarts; re-open them for the same lease.
+    /// Keeps `lease` alive until it is lost (`Go`) or the agent stops. Streams die with etcd
+    /// restarts; they are re-opened for the same lease.
+    async fn keep_alive(&mut self, lease: i64) -> Next<()> {
+        let ttl = self.ttl;
         let mut last_ok = Instant::now();
         loop {
-            let opened = tokio::time::timeout(rootrank_store::REQUEST_TIMEOUT, client.lease_keep_alive(lease)).await;
+            let opened =
+                tokio::time::timeout(rootrank_store::REQUEST_TIMEOUT, self.client.lease_keep_alive(lease)).await;
             let (mut keeper, mut stream) = match opened {
                 Ok(Ok(ks)) => ks,
                 // etcd-client opens the stream with a first keepalive and returns this variant
@@ -277,20 +351,22 @@ async fn liveness(
                 // the stream was down). Reopening for it would retry forever.
                 Ok(Err(rootrank_store::etcd_client::Error::LeaseKeepAliveError(e))) => {
                     warn!(incarnation = lease, error = %e, "liveness lease is gone (revoked or expired); registering a new incarnation");
-                    continue 'register;
+                    return Next::Go(());
                 }
                 other => {
                     debug!(?other, "keepalive stream failed to open");
-                    if gave_up(&mut client, lease, last_ok, ttl).await {
-                        continue 'register;
+                    if gave_up(&mut self.client, lease, last_ok, ttl).await {
+                        return Next::Go(());
                     }
-                    tokio::select! { _ = tokio::time::sleep(backoff.next_pause()) => {}, _ = stop.changed() => return }
+                    if !self.backoff().await {
+                        return Next::Stop;
+                    }
                     continue;
                 }
             };
             loop {
-                if *stop.borrow() {
-                    return;
+                if *self.stop.borrow() {
+                    return Next::Stop;
                 }
                 let step = async {
                     keeper.keep_alive().await?;
@@ -299,7 +375,7 @@ async fn liveness(
                 match tokio::time::timeout(rootrank_store::REQUEST_TIMEOUT, step).await {
                     Ok(Ok(Some(resp))) if resp.ttl() > 0 => {
                         let gap = last_ok.elapsed();
-                        if gap > interval * 2 {
+                        if gap > self.interval * 2 {
                             // This thread (or etcd) got no CPU for that long: a lease this close to
                             // its TTL is a false death in waiting, so it is said before it happens.
                             warn!(
@@ -309,11 +385,11 @@ async fn liveness(
                             );
                         }
                         last_ok = Instant::now();
-                        backoff.reset();
+                        self.backoff.reset();
                     }
                     Ok(Ok(Some(_))) => {
                         warn!(incarnation = lease, "liveness lease expired (etcd unreachable for longer than the TTL); registering a new incarnation");
-                        continue 'register;
+                        return Next::Go(());
                     }
                     other => {
                         debug!(
@@ -321,14 +397,18 @@ async fn liveness(
                             since_ok_ms = last_ok.elapsed().as_millis() as u64,
                             "keepalive failed; reopening"
                         );
-                        if gave_up(&mut client, lease, last_ok, ttl).await {
-                            continue 'register;
+                        if gave_up(&mut self.client, lease, last_ok, ttl).await {
+                            return Next::Go(());
                         }
-                        tokio::select! { _ = tokio::time::sleep(backoff.next_pause()) => {}, _ = stop.changed() => return }
+                        if !self.backoff().await {
+                            return Next::Stop;
+                        }
                         break;
                     }
                 }
-                tokio::select! { _ = tokio::time::sleep(interval) => {}, _ = stop.changed() => return }
+                if !self.pause(self.interval).await {
+                    return Next::Stop;
+                }
             }
         }
     }

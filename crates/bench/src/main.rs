@@ -283,6 +283,14 @@ fn real_main() -> anyhow::Result<ExitCode> {
             rootrank_bench::write_outputs(&dir, &results)?;
             return Ok(ExitCode::SUCCESS);
         }
+        cmd => suite_of(cmd)?,
+    };
+    run_suite(&suite, mode, &out)
+}
+
+/// The suite a benchmark command asks for, its mode, and where its results go.
+fn suite_of(cmd: Cmd) -> anyhow::Result<(Suite, &'static str, PathBuf)> {
+    Ok(match cmd {
         Cmd::All { smoke, out } => (
             if smoke { Suite::smoke() } else { Suite::full() },
             if smoke { "smoke" } else { "full" },
@@ -499,7 +507,14 @@ fn real_main() -> anyhow::Result<ExitCode> {
             "agent",
             out.out.unwrap_or_else(|| PathBuf::from("bench-results/agent")),
         ),
-    };
+        Cmd::ServeCoordinator { .. } | Cmd::Rank { .. } | Cmd::Report { .. } => {
+            anyhow::bail!("not a benchmark suite (a helper command)")
+        }
+    })
+}
+
+/// Runs a suite in a scratch directory and writes its results.
+fn run_suite(suite: &Suite, mode: &'static str, out: &std::path::Path) -> anyhow::Result<ExitCode> {
     // The suite's scratch (etcd data: a few GB at full scale) lives in a temp dir removed at
     // the end; RRBENCH_KEEP=1 keeps it (logs) for a post-mortem.
     let work = tempfile::Builder::new().prefix("rootrank-bench.").tempdir()?;
@@ -514,9 +529,9 @@ fn real_main() -> anyhow::Result<ExitCode> {
         .worker_threads(2)
         .enable_all()
         .build()?;
-    let results = rt.block_on(rootrank_bench::run(&env, &suite, mode));
+    let results = rt.block_on(rootrank_bench::run(&env, suite, mode));
     rt.shutdown_timeout(std::time::Duration::from_secs(2));
-    rootrank_bench::write_outputs(&out, &results)?;
+    rootrank_bench::write_outputs(out, &results)?;
     if std::env::var_os("RRBENCH_KEEP").is_some() {
         let kept = work.keep();
         eprintln!("rootrank-bench: scratch kept in {}", kept.display());

@@ -205,410 +205,453 @@ pub fn markdown(results: &Value) -> String {
             g["by"].as_str().unwrap_or("")
         );
     }
-    let v = &s["verdicts"];
-    if v.is_object() {
-        let st = &v["setup"];
-        let _ = writeln!(
-            m,
-            "\n## 1. Verdict lookups\n\n{} groups x {} ranks, {} rooms x {} records ({} records), {} s per run.\n\n| conns | target | tool | rps | p50 | p99 | p99.9 | max | errors | server CPU/req |\n|---|---|---|---|---|---|---|---|---|---|",
-            st["groups"], st["ranks_per_group"], st["rooms"], st["records_per_room"], st["records"], num(&st["duration_s"], 0)
-        );
-        for r in v["runs"].as_array().into_iter().flatten() {
-            let l = &r["latency"];
-            let _ = writeln!(
-                m,
-                "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} us ({}) |",
-                r["conns"],
-                r["target"].as_str().unwrap_or(""),
-                if r["tool"].as_str().unwrap_or("").starts_with("wrk") {
-                    "wrk"
-                } else {
-                    "rust loop"
-                },
-                num(&r["rps"], 0),
-                us(&l["p50_us"]),
-                us(&l["p99_us"]),
-                us(&l["p999_us"]),
-                us(&l["max_us"]),
-                r["errors"],
-                num(&r["server_cpu_us_per_request"], 1),
-                r["server"].as_str().unwrap_or("")
-            );
-        }
-        let _ = writeln!(m, "\n| conns | verdict / healthz rps | verdict / etcd-direct rps | etcd-direct p99 / verdict p99 |\n|---|---|---|---|");
-        for r in v["ratios"].as_array().into_iter().flatten() {
-            let _ = writeln!(
-                m,
-                "| {} | {}x | {}x | {}x |",
-                r["conns"],
-                num(&r["verdict_over_healthz_rps"], 2),
-                num(&r["verdict_over_etcd_direct_rps"], 1),
-                num(&r["etcd_direct_p99_over_verdict_p99"], 1)
-            );
-        }
-    }
-    let i = &s["ingest"];
-    if i.is_object() {
-        let _ = writeln!(
-            m,
-            "\n## 2. Ingest\n\n{} agents ({} groups x {} ranks), {} s per stage. CPU is per record written; cores = CPU s / wall s.\n\n| offered/s | achieved/s | dropped | drain s | lag p50 | lag p99 | lag max | probes | coordinator us/rec | etcd us/rec | bench+agents us/rec | coord cores | etcd cores | saturated |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-            i["setup"]["agents"], i["setup"]["groups"], i["setup"]["ranks_per_group"], num(&i["setup"]["stage_s"], 0)
-        );
-        for st in i["stages"].as_array().into_iter().flatten() {
-            let l = &st["lag_commit_to_visible"];
-            let c = &st["cpu"];
-            let _ = writeln!(
-                m,
-                "| {} | {} | {} | {} | {} | {} | {} | {} ({} failed) | {} | {} | {} | {} | {} | {} |",
-                st["offered_rate"],
-                num(&st["achieved_rate"], 0),
-                st["dropped_queue_full"],
-                num(&st["drain_s"], 2),
-                us(&l["p50_us"]),
-                us(&l["p99_us"]),
-                us(&l["max_us"]),
-                l["count"],
-                st["probe_failures"],
-                num(&c["coordinator_us_per_record"], 1),
-                num(&c["etcd_us_per_record"], 1),
-                num(&c["bench_and_agents_us_per_record"], 1),
-                num(&c["coordinator_cores"], 2),
-                num(&c["etcd_cores"], 2),
-                st["saturated"]
-            );
-        }
-    }
-    let d = &s["detection"];
-    if d.is_object() {
-        let _ = writeln!(m, "\n## 3. Detection (SIGKILL to resolved verdict)\n\n| variant | kills | resolved | p50 ms | p90 ms | p99 ms | max ms | culprit sources | wall s |\n|---|---|---|---|---|---|---|---|---|");
-        for x in d["variants"].as_array().into_iter().flatten() {
-            if let Some(sk) = x["skipped"].as_str() {
-                let _ = writeln!(
-                    m,
-                    "| {} | skipped: {sk} | | | | | | | |",
-                    x["name"].as_str().unwrap_or("")
-                );
-                continue;
-            }
-            let r = &x["result"];
-            let k = &r["kill_to_resolved_ms"];
-            let _ = writeln!(
-                m,
-                "| {} | {} | {} | {} | {} | {} | {} | {} | {} |",
-                x["name"].as_str().unwrap_or(""),
-                r["kills"],
-                r["resolved"],
-                num(&k["p50"], 0),
-                num(&k["p90"], 0),
-                num(&k["p99"], 0),
-                num(&k["max"], 0),
-                r["culprit_sources"],
-                num(&r["wall_s"], 1)
-            );
-        }
-        let w = &d["watchdog"];
-        if w["available"] == true {
-            let k = &w["result"]["kill_to_resolved_ms"];
-            let _ = writeln!(
-                m,
-                "| with_watchdog_ttl_5s | {} | {} | {} | {} | {} | {} | {} | {} |",
-                w["result"]["kills"],
-                w["result"]["resolved"],
-                num(&k["p50"], 0),
-                num(&k["p90"], 0),
-                num(&k["p99"], 0),
-                num(&k["max"], 0),
-                w["result"]["culprit_sources"],
-                num(&w["result"]["wall_s"], 1)
-            );
-            if let Some(e) = w["error"].as_str() {
-                let _ = writeln!(m, "\nwith_watchdog: error: {e}");
-            }
-        } else {
-            let _ = writeln!(
-                m,
-                "| with_watchdog | not available: {} | | | | | | | |",
-                w["reason"].as_str().unwrap_or("")
-            );
-        }
-    }
-    let sc = &s["scale"];
-    if sc.is_object() {
-        let (st, p, k, c, ci) = (
-            &sc["setup"],
-            &sc["populate"],
-            &sc["keepalive_only"],
-            &sc["coordinator"],
-            &sc["core_index"],
-        );
-        let vr = &sc["verdict"]["run"];
-        let _ = writeln!(m, "\n## 4. Scale\n\n{} groups x {} ranks = {} live leases (TTL {} s, renewed every {} ms over {} connections), {} retained records in {} rooms.\n",
-            st["groups"], st["ranks_per_group"], st["live_leases"], st["lease_ttl_s"], st["keepalive_interval_ms"], st["keepalive_connections"], st["records"], st["rooms"]);
-        let _ = writeln!(m, "| figure | value |\n|---|---|");
-        let rows: Vec<(&str, String)> = vec![
-            (
-                "records written to etcd",
-                format!(
-                    "{} in {} s ({} /s)",
-                    st["records"],
-                    num(&p["records_s"], 1),
-                    num(&p["records_per_s"], 0)
-                ),
-            ),
-            (
-                "coordinator start to /readyz",
-                format!(
-                    "{} s (coordinator CPU in that time: {} s, the rest is waiting on etcd; live ranks seen at ready: {})",
-                    num(&c["start_to_ready_s"], 2),
-                    num(&c["cpu_s_at_ready"], 2),
-                    c["live_ranks_seen_at_ready"]
-                ),
-            ),
-            (
-                "start to /readyz: serial load before / 1 reader / default readers",
-                format!(
-                    "{} s / {} s / {} s (etcd CPU {} / {} / {} s)",
-                    num(&sc["startup"]["before"]["load_s"], 2),
-                    num(&sc["startup"]["runs"][0]["start_to_ready_s"], 2),
-                    num(&sc["startup"]["runs"][1]["start_to_ready_s"], 2),
-                    num(&sc["startup"]["before"]["etcd_cpu_s"], 2),
-                    num(&sc["startup"]["runs"][0]["etcd_cpu_s"][0], 2),
-                    num(&sc["startup"]["runs"][1]["etcd_cpu_s"][0], 2),
-                ),
-            ),
-            (
-                "coordinator RSS empty / loaded / peak (HWM)",
-                format!(
-                    "{:.1} / {:.1} / {:.1} MiB",
-                    f(&c["empty_rss_bytes"]) / 1048576.0,
-                    f(&c["loaded_rss_bytes"]) / 1048576.0,
-                    f(&c["loaded_hwm_bytes"]) / 1048576.0
-                ),
-            ),
-            (
-                "coordinator RSS per record (loaded - empty) / records",
-                format!(
-                    "{} bytes (peak: {} bytes)",
-                    num(&c["rss_bytes_per_record"], 1),
-                    num(&c["hwm_bytes_per_record"], 1)
-                ),
-            ),
-            (
-                "core index alone, bytes per record (counting allocator)",
-                format!(
-                    "{} bytes ({} live keys: {} bytes each)",
-                    num(&ci["bytes_per_record"], 1),
-                    ci["live_keys"],
-                    num(&ci["live_key_bytes_each"], 0)
-                ),
-            ),
-            (
-                "core index alone, apply rate",
-                format!("{} records/s in-process", num(&ci["records_applied_per_s"], 0)),
-            ),
-            (
-                "coordinator RSS / core index bytes per record",
-                format!(
-                    "{}x",
-                    num(&json!(f(&c["rss_bytes_per_record"]) / f(&ci["bytes_per_record"])), 2)
-                ),
-            ),
-            (
-                "verdicts at this size (wrk, 16 conns)",
-                format!(
-                    "{} rps, p50 {}, p99 {}, p99.9 {}",
-                    num(&vr["rps"], 0),
-                    us(&vr["latency"]["p50_us"]),
-                    us(&vr["latency"]["p99_us"]),
-                    us(&vr["latency"]["p999_us"])
-                ),
-            ),
-            (
-                "keepalives only: rate",
-                format!("{} /s", num(&k["keepalives_per_s"], 0)),
-            ),
-            (
-                "keepalives only: etcd CPU",
-                format!(
-                    "{} cores ({} us per keepalive); bench client {} cores",
-                    num(&k["etcd_cpu_cores"], 2),
-                    num(&k["etcd_cpu_us_per_keepalive"], 1),
-                    num(&k["bench_client_cpu_cores"], 2)
-                ),
-            ),
-            (
-                "keepalives needed / achieved",
-                format!(
-                    "{} /s needed (leases / interval), {} /s achieved; live keys written {}, lost {}",
-                    num(&p["keepalives_needed_per_s"], 0),
-                    num(&k["keepalives_per_s"], 0),
-                    p["live_keys_written"],
-                    p["live_keys_lost"]
-                ),
-            ),
-            (
-                "keepalive failures / expired leases",
-                format!(
-                    "{} / {} (first error: {})",
-                    k["failed"],
-                    k["expired_leases"],
-                    k["first_error"].as_str().unwrap_or("none")
-                ),
-            ),
-            ("etcd RSS", format!("{:.0} MiB", f(&k["etcd_rss_bytes"]) / 1048576.0)),
-        ];
-        for (a, b) in rows {
-            let _ = writeln!(m, "| {a} | {b} |");
-        }
-    }
-    let a = &s["agent"];
-    if a.is_object() {
-        let (w, fl, n) = (&a["queue_with_room"], &a["queue_full_dropping"], &a["nixl_write_64k"]);
-        let _ = writeln!(m, "\n## 5. Agent overhead\n\n| case | calls | mean ns | p50 ns | p99 ns | p99.9 ns |\n|---|---|---|---|---|---|");
-        for (name, x) in [
-            ("record_failure, queue with room", w),
-            ("record_failure, queue full (drop)", fl),
-        ] {
-            let _ = writeln!(
-                m,
-                "| {name} | {} | {} | {} | {} | {} |",
-                x["calls"],
-                num(&x["mean_ns"], 0),
-                num(&x["p50_ns"], 0),
-                num(&x["p99_ns"], 0),
-                num(&x["p999_ns"], 0)
-            );
-        }
-        if n["available"] == true {
-            let _ = writeln!(
-                m,
-                "| one NIXL WRITE of 64 KiB (UCX, DRAM) | {} | {} | {} | {} | |",
-                n["iters"],
-                num(&json!(f(&n["mean_us"]) * 1e3), 0),
-                num(&json!(f(&n["p50_us"]) * 1e3), 0),
-                num(&json!(f(&n["p99_us"]) * 1e3), 0)
-            );
-            let _ = writeln!(
-                m,
-                "\nrecord_failure (mean) / NIXL 64 KiB WRITE (p50): {}",
-                num(&a["record_failure_over_nixl_64k_p50"], 4)
-            );
-        } else {
-            let _ = writeln!(
-                m,
-                "| NIXL 64 KiB WRITE | not available: {} | | | | |",
-                n["reason"].as_str().unwrap_or("")
-            );
-        }
-    }
-    let b = &s["burst"];
-    if b.is_object() {
-        let _ = writeln!(
-            m,
-            "\n## 6. Burst (one rank fails {} rooms at once; {} records per burst)\n\nMedians over {} bursts per mode; the sustained stage offers {} records/s from {} agents.\n\n| mode | first record to last room resolved ms | last enqueue to last resolved ms | all written ms | etcd us/record | coordinator us/record | sustained achieved/s | lag p50 | lag p99 | etcd us/record (sustained) |\n|---|---|---|---|---|---|---|---|---|---|",
-            b["setup"]["rooms"], b["setup"]["records_per_burst"], b["setup"]["bursts_per_mode"],
-            b["setup"]["sustained_rate"], b["setup"]["sustained_agents"]
-        );
-        for mode in ["single", "batched"] {
-            let x = &b["modes"][mode];
-            let (md, st) = (&x["median"], &x["sustained"]);
-            let _ = writeln!(
-                m,
-                "| {mode} (max_batch {}) | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
-                x["max_batch"],
-                num(&md["first_record_to_last_resolved_ms"], 1),
-                num(&md["last_enqueue_to_last_resolved_ms"], 1),
-                num(&md["first_record_to_all_written_ms"], 1),
-                num(&md["etcd_us_per_record"], 1),
-                num(&md["coordinator_us_per_record"], 1),
-                num(&st["achieved_rate"], 0),
-                us(&st["lag_commit_to_visible"]["p50_us"]),
-                us(&st["lag_commit_to_visible"]["p99_us"]),
-                num(&st["cpu"]["etcd_us_per_record"], 1)
-            );
-        }
-    }
-    let k = &s["keepalive"];
-    if k.is_object() {
-        let _ = writeln!(
-            m,
-            "\n## 7. Keepalives ({})\n\n| lease TTL | keepalive every | leases | keepalives/s | etcd cores | etcd us/keepalive | ranks per etcd core | failed | expired |\n|---|---|---|---|---|---|---|---|---|",
-            k["setup"]["etcd"].as_str().unwrap_or("")
-        );
-        for v in k["variants"].as_array().into_iter().flatten() {
-            let _ = writeln!(
-                m,
-                "| {} s | {} ms | {} | {} | {} | {} | {} | {} | {} |",
-                v["lease_ttl_s"],
-                v["keepalive_interval_ms"],
-                v["leases"],
-                num(&v["keepalives_per_s"], 0),
-                num(&v["etcd_cores"], 3),
-                num(&v["etcd_us_per_keepalive"], 1),
-                num(&v["ranks_per_etcd_core"], 0),
-                v["failed"],
-                v["expired"]
-            );
-        }
-    }
-    let su = &s["startup"];
-    if su.is_object() {
-        let _ = writeln!(
-            m,
-            "\n## 9. Start-up ({} records, no leases)\n\n| load | spawn to /readyz s | coordinator CPU s | etcd CPU s |\n|---|---|---|---|\n| serial, before (in-process) | {} | {} | {} |",
-            su["setup"]["records"],
-            num(&su["before"]["load_s"], 2),
-            num(&su["before"]["loader_cpu_s"], 2),
-            num(&su["before"]["etcd_cpu_s"], 2)
-        );
-        for r in su["runs"].as_array().into_iter().flatten() {
-            let _ = writeln!(
-                m,
-                "| {} reader(s) | {} | {} | {} |",
-                r["readers"],
-                num(&r["start_to_ready_s"], 2),
-                num(&r["coordinator_cpu_s"], 2),
-                num(&r["etcd_cpu_s"][0], 2)
-            );
-        }
-    }
-    let n = &s["node_memory"];
-    if n.is_object() {
-        let mib = |v: &Value| num(&json!(f(v) / 1048576.0), 1);
-        let _ = writeln!(
-            m,
-            "\n## 8. node-watch memory\n\n| etcd holds | RSS MiB | peak RSS MiB | start to loaded s |\n|---|---|---|---|\n| nothing | {} | {} | {} |\n| {} room records | {} | {} | {} |\n\nRSS ratio: {}",
-            mib(&n["empty"]["rss_bytes"]), mib(&n["empty"]["hwm_bytes"]), num(&n["empty"]["start_to_loaded_s"], 2),
-            n["setup"]["records"], mib(&n["populated"]["rss_bytes"]), mib(&n["populated"]["hwm_bytes"]),
-            num(&n["populated"]["start_to_loaded_s"], 2), num(&n["rss_ratio"], 2)
-        );
-    }
-    let e = &s["events"];
-    if e.is_object() {
-        let w = &e["with_readers"];
-        let q = &e["quiet"];
-        let _ = writeln!(
-            m,
-            "\n## 10. Events (`GET /v1/events`: {} readers, {} records/s offered)\n\n| | achieved records/s | delivery lag p50 ms | p99 ms | max ms | coordinator cores | etcd cores | bench + readers cores | readers cut off | probe deliveries missing |\n|---|---|---|---|---|---|---|---|---|---|\n| no reader | {} | | | | {} | {} | {} | | |\n| {} readers | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n\nCoordinator RSS: {} MiB before the readers, {} MiB with them connected, {} MiB after the stage.",
-            e["setup"]["readers"], e["setup"]["offered_records_per_s"],
-            num(&q["achieved_records_per_s"], 0), num(&q["cpu"]["coordinator_cores"], 2), num(&q["cpu"]["etcd_cores"], 2),
-            num(&q["cpu"]["bench_and_readers_cores"], 2),
-            e["setup"]["readers"], num(&w["achieved_records_per_s"], 0),
-            num(&json!(f(&w["delivery_lag"]["p50_us"]) / 1e3), 2), num(&json!(f(&w["delivery_lag"]["p99_us"]) / 1e3), 2),
-            num(&json!(f(&w["delivery_lag"]["max_us"]) / 1e3), 2),
-            num(&w["cpu"]["coordinator_cores"], 2), num(&w["cpu"]["etcd_cores"], 2), num(&w["cpu"]["bench_and_readers_cores"], 2),
-            w["readers_cut_off"], w["probe_deliveries_missing"],
-            num(&json!(f(&e["coordinator_rss_bytes"]["before_readers"]) / 1048576.0), 1),
-            num(&json!(f(&e["coordinator_rss_bytes"]["readers_connected"]) / 1048576.0), 1),
-            num(&json!(f(&e["coordinator_rss_bytes"]["after_stage"]) / 1048576.0), 1),
-        );
-    }
+    verdicts_section(&mut m, &s["verdicts"]);
+    ingest_section(&mut m, &s["ingest"]);
+    detection_section(&mut m, &s["detection"]);
+    scale_section(&mut m, &s["scale"]);
+    agent_section(&mut m, &s["agent"]);
+    burst_section(&mut m, &s["burst"]);
+    keepalive_section(&mut m, &s["keepalive"]);
+    startup_section(&mut m, &s["startup"]);
+    node_memory_section(&mut m, &s["node_memory"]);
+    events_section(&mut m, &s["events"]);
     security_section(&mut m, &s["security"]);
     let _ = writeln!(
         m,
         "\nLatency distributions: `latency.svg`. All figures: `results.json`."
     );
     m
+}
+
+fn verdicts_section(m: &mut String, v: &Value) {
+    if !v.is_object() {
+        return;
+    }
+    let st = &v["setup"];
+    let _ = writeln!(
+        m,
+        "\n## 1. Verdict lookups\n\n{} groups x {} ranks, {} rooms x {} records ({} records), {} s per run.\n\n| conns | target | tool | rps | p50 | p99 | p99.9 | max | errors | server CPU/req |\n|---|---|---|---|---|---|---|---|---|---|",
+        st["groups"], st["ranks_per_group"], st["rooms"], st["records_per_room"], st["records"], num(&st["duration_s"], 0)
+    );
+    for r in v["runs"].as_array().into_iter().flatten() {
+        let l = &r["latency"];
+        let _ = writeln!(
+            m,
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} us ({}) |",
+            r["conns"],
+            r["target"].as_str().unwrap_or(""),
+            if r["tool"].as_str().unwrap_or("").starts_with("wrk") {
+                "wrk"
+            } else {
+                "rust loop"
+            },
+            num(&r["rps"], 0),
+            us(&l["p50_us"]),
+            us(&l["p99_us"]),
+            us(&l["p999_us"]),
+            us(&l["max_us"]),
+            r["errors"],
+            num(&r["server_cpu_us_per_request"], 1),
+            r["server"].as_str().unwrap_or("")
+        );
+    }
+    let _ = writeln!(m, "\n| conns | verdict / healthz rps | verdict / etcd-direct rps | etcd-direct p99 / verdict p99 |\n|---|---|---|---|");
+    for r in v["ratios"].as_array().into_iter().flatten() {
+        let _ = writeln!(
+            m,
+            "| {} | {}x | {}x | {}x |",
+            r["conns"],
+            num(&r["verdict_over_healthz_rps"], 2),
+            num(&r["verdict_over_etcd_direct_rps"], 1),
+            num(&r["etcd_direct_p99_over_verdict_p99"], 1)
+        );
+    }
+}
+
+fn ingest_section(m: &mut String, i: &Value) {
+    if !i.is_object() {
+        return;
+    }
+    let _ = writeln!(
+        m,
+        "\n## 2. Ingest\n\n{} agents ({} groups x {} ranks), {} s per stage. CPU is per record written; cores = CPU s / wall s.\n\n| offered/s | achieved/s | dropped | drain s | lag p50 | lag p99 | lag max | probes | coordinator us/rec | etcd us/rec | bench+agents us/rec | coord cores | etcd cores | saturated |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        i["setup"]["agents"], i["setup"]["groups"], i["setup"]["ranks_per_group"], num(&i["setup"]["stage_s"], 0)
+    );
+    for st in i["stages"].as_array().into_iter().flatten() {
+        let l = &st["lag_commit_to_visible"];
+        let c = &st["cpu"];
+        let _ = writeln!(
+            m,
+            "| {} | {} | {} | {} | {} | {} | {} | {} ({} failed) | {} | {} | {} | {} | {} | {} |",
+            st["offered_rate"],
+            num(&st["achieved_rate"], 0),
+            st["dropped_queue_full"],
+            num(&st["drain_s"], 2),
+            us(&l["p50_us"]),
+            us(&l["p99_us"]),
+            us(&l["max_us"]),
+            l["count"],
+            st["probe_failures"],
+            num(&c["coordinator_us_per_record"], 1),
+            num(&c["etcd_us_per_record"], 1),
+            num(&c["bench_and_agents_us_per_record"], 1),
+            num(&c["coordinator_cores"], 2),
+            num(&c["etcd_cores"], 2),
+            st["saturated"]
+        );
+    }
+}
+
+fn detection_section(m: &mut String, d: &Value) {
+    if !d.is_object() {
+        return;
+    }
+    let _ = writeln!(m, "\n## 3. Detection (SIGKILL to resolved verdict)\n\n| variant | kills | resolved | p50 ms | p90 ms | p99 ms | max ms | culprit sources | wall s |\n|---|---|---|---|---|---|---|---|---|");
+    for x in d["variants"].as_array().into_iter().flatten() {
+        if let Some(sk) = x["skipped"].as_str() {
+            let _ = writeln!(
+                m,
+                "| {} | skipped: {sk} | | | | | | | |",
+                x["name"].as_str().unwrap_or("")
+            );
+            continue;
+        }
+        let r = &x["result"];
+        let k = &r["kill_to_resolved_ms"];
+        let _ = writeln!(
+            m,
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            x["name"].as_str().unwrap_or(""),
+            r["kills"],
+            r["resolved"],
+            num(&k["p50"], 0),
+            num(&k["p90"], 0),
+            num(&k["p99"], 0),
+            num(&k["max"], 0),
+            r["culprit_sources"],
+            num(&r["wall_s"], 1)
+        );
+    }
+    let w = &d["watchdog"];
+    if w["available"] == true {
+        let k = &w["result"]["kill_to_resolved_ms"];
+        let _ = writeln!(
+            m,
+            "| with_watchdog_ttl_5s | {} | {} | {} | {} | {} | {} | {} | {} |",
+            w["result"]["kills"],
+            w["result"]["resolved"],
+            num(&k["p50"], 0),
+            num(&k["p90"], 0),
+            num(&k["p99"], 0),
+            num(&k["max"], 0),
+            w["result"]["culprit_sources"],
+            num(&w["result"]["wall_s"], 1)
+        );
+        if let Some(e) = w["error"].as_str() {
+            let _ = writeln!(m, "\nwith_watchdog: error: {e}");
+        }
+    } else {
+        let _ = writeln!(
+            m,
+            "| with_watchdog | not available: {} | | | | | | | |",
+            w["reason"].as_str().unwrap_or("")
+        );
+    }
+}
+
+fn scale_section(m: &mut String, sc: &Value) {
+    if !sc.is_object() {
+        return;
+    }
+    let (st, p, k, c, ci) = (
+        &sc["setup"],
+        &sc["populate"],
+        &sc["keepalive_only"],
+        &sc["coordinator"],
+        &sc["core_index"],
+    );
+    let vr = &sc["verdict"]["run"];
+    let _ = writeln!(m, "\n## 4. Scale\n\n{} groups x {} ranks = {} live leases (TTL {} s, renewed every {} ms over {} connections), {} retained records in {} rooms.\n",
+        st["groups"], st["ranks_per_group"], st["live_leases"], st["lease_ttl_s"], st["keepalive_interval_ms"], st["keepalive_connections"], st["records"], st["rooms"]);
+    let _ = writeln!(m, "| figure | value |\n|---|---|");
+    let rows: Vec<(&str, String)> = vec![
+        (
+            "records written to etcd",
+            format!(
+                "{} in {} s ({} /s)",
+                st["records"],
+                num(&p["records_s"], 1),
+                num(&p["records_per_s"], 0)
+            ),
+        ),
+        (
+            "coordinator start to /readyz",
+            format!(
+                "{} s (coordinator CPU in that time: {} s, the rest is waiting on etcd; live ranks seen at ready: {})",
+                num(&c["start_to_ready_s"], 2),
+                num(&c["cpu_s_at_ready"], 2),
+                c["live_ranks_seen_at_ready"]
+            ),
+        ),
+        (
+            "start to /readyz: serial load before / 1 reader / default readers",
+            format!(
+                "{} s / {} s / {} s (etcd CPU {} / {} / {} s)",
+                num(&sc["startup"]["before"]["load_s"], 2),
+                num(&sc["startup"]["runs"][0]["start_to_ready_s"], 2),
+                num(&sc["startup"]["runs"][1]["start_to_ready_s"], 2),
+                num(&sc["startup"]["before"]["etcd_cpu_s"], 2),
+                num(&sc["startup"]["runs"][0]["etcd_cpu_s"][0], 2),
+                num(&sc["startup"]["runs"][1]["etcd_cpu_s"][0], 2),
+            ),
+        ),
+        (
+            "coordinator RSS empty / loaded / peak (HWM)",
+            format!(
+                "{:.1} / {:.1} / {:.1} MiB",
+                f(&c["empty_rss_bytes"]) / 1048576.0,
+                f(&c["loaded_rss_bytes"]) / 1048576.0,
+                f(&c["loaded_hwm_bytes"]) / 1048576.0
+            ),
+        ),
+        (
+            "coordinator RSS per record (loaded - empty) / records",
+            format!(
+                "{} bytes (peak: {} bytes)",
+                num(&c["rss_bytes_per_record"], 1),
+                num(&c["hwm_bytes_per_record"], 1)
+            ),
+        ),
+        (
+            "core index alone, bytes per record (counting allocator)",
+            format!(
+                "{} bytes ({} live keys: {} bytes each)",
+                num(&ci["bytes_per_record"], 1),
+                ci["live_keys"],
+                num(&ci["live_key_bytes_each"], 0)
+            ),
+        ),
+        (
+            "core index alone, apply rate",
+            format!("{} records/s in-process", num(&ci["records_applied_per_s"], 0)),
+        ),
+        (
+            "coordinator RSS / core index bytes per record",
+            format!(
+                "{}x",
+                num(&json!(f(&c["rss_bytes_per_record"]) / f(&ci["bytes_per_record"])), 2)
+            ),
+        ),
+        (
+            "verdicts at this size (wrk, 16 conns)",
+            format!(
+                "{} rps, p50 {}, p99 {}, p99.9 {}",
+                num(&vr["rps"], 0),
+                us(&vr["latency"]["p50_us"]),
+                us(&vr["latency"]["p99_us"]),
+                us(&vr["latency"]["p999_us"])
+            ),
+        ),
+        (
+            "keepalives only: rate",
+            format!("{} /s", num(&k["keepalives_per_s"], 0)),
+        ),
+        (
+            "keepalives only: etcd CPU",
+            format!(
+                "{} cores ({} us per keepalive); bench client {} cores",
+                num(&k["etcd_cpu_cores"], 2),
+                num(&k["etcd_cpu_us_per_keepalive"], 1),
+                num(&k["bench_client_cpu_cores"], 2)
+            ),
+        ),
+        (
+            "keepalives needed / achieved",
+            format!(
+                "{} /s needed (leases / interval), {} /s achieved; live keys written {}, lost {}",
+                num(&p["keepalives_needed_per_s"], 0),
+                num(&k["keepalives_per_s"], 0),
+                p["live_keys_written"],
+                p["live_keys_lost"]
+            ),
+        ),
+        (
+            "keepalive failures / expired leases",
+            format!(
+                "{} / {} (first error: {})",
+                k["failed"],
+                k["expired_leases"],
+                k["first_error"].as_str().unwrap_or("none")
+            ),
+        ),
+        ("etcd RSS", format!("{:.0} MiB", f(&k["etcd_rss_bytes"]) / 1048576.0)),
+    ];
+    for (a, b) in rows {
+        let _ = writeln!(m, "| {a} | {b} |");
+    }
+}
+
+fn agent_section(m: &mut String, a: &Value) {
+    if !a.is_object() {
+        return;
+    }
+    let (w, fl, n) = (&a["queue_with_room"], &a["queue_full_dropping"], &a["nixl_write_64k"]);
+    let _ = writeln!(
+        m,
+        "\n## 5. Agent overhead\n\n| case | calls | mean ns | p50 ns | p99 ns | p99.9 ns |\n|---|---|---|---|---|---|"
+    );
+    for (name, x) in [
+        ("record_failure, queue with room", w),
+        ("record_failure, queue full (drop)", fl),
+    ] {
+        let _ = writeln!(
+            m,
+            "| {name} | {} | {} | {} | {} | {} |",
+            x["calls"],
+            num(&x["mean_ns"], 0),
+            num(&x["p50_ns"], 0),
+            num(&x["p99_ns"], 0),
+            num(&x["p999_ns"], 0)
+        );
+    }
+    if n["available"] == true {
+        let _ = writeln!(
+            m,
+            "| one NIXL WRITE of 64 KiB (UCX, DRAM) | {} | {} | {} | {} | |",
+            n["iters"],
+            num(&json!(f(&n["mean_us"]) * 1e3), 0),
+            num(&json!(f(&n["p50_us"]) * 1e3), 0),
+            num(&json!(f(&n["p99_us"]) * 1e3), 0)
+        );
+        let _ = writeln!(
+            m,
+            "\nrecord_failure (mean) / NIXL 64 KiB WRITE (p50): {}",
+            num(&a["record_failure_over_nixl_64k_p50"], 4)
+        );
+    } else {
+        let _ = writeln!(
+            m,
+            "| NIXL 64 KiB WRITE | not available: {} | | | | |",
+            n["reason"].as_str().unwrap_or("")
+        );
+    }
+}
+
+fn burst_section(m: &mut String, b: &Value) {
+    if !b.is_object() {
+        return;
+    }
+    let _ = writeln!(
+        m,
+        "\n## 6. Burst (one rank fails {} rooms at once; {} records per burst)\n\nMedians over {} bursts per mode; the sustained stage offers {} records/s from {} agents.\n\n| mode | first record to last room resolved ms | last enqueue to last resolved ms | all written ms | etcd us/record | coordinator us/record | sustained achieved/s | lag p50 | lag p99 | etcd us/record (sustained) |\n|---|---|---|---|---|---|---|---|---|---|",
+        b["setup"]["rooms"], b["setup"]["records_per_burst"], b["setup"]["bursts_per_mode"],
+        b["setup"]["sustained_rate"], b["setup"]["sustained_agents"]
+    );
+    for mode in ["single", "batched"] {
+        let x = &b["modes"][mode];
+        let (md, st) = (&x["median"], &x["sustained"]);
+        let _ = writeln!(
+            m,
+            "| {mode} (max_batch {}) | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            x["max_batch"],
+            num(&md["first_record_to_last_resolved_ms"], 1),
+            num(&md["last_enqueue_to_last_resolved_ms"], 1),
+            num(&md["first_record_to_all_written_ms"], 1),
+            num(&md["etcd_us_per_record"], 1),
+            num(&md["coordinator_us_per_record"], 1),
+            num(&st["achieved_rate"], 0),
+            us(&st["lag_commit_to_visible"]["p50_us"]),
+            us(&st["lag_commit_to_visible"]["p99_us"]),
+            num(&st["cpu"]["etcd_us_per_record"], 1)
+        );
+    }
+}
+
+fn keepalive_section(m: &mut String, k: &Value) {
+    if !k.is_object() {
+        return;
+    }
+    let _ = writeln!(
+        m,
+        "\n## 7. Keepalives ({})\n\n| lease TTL | keepalive every | leases | keepalives/s | etcd cores | etcd us/keepalive | ranks per etcd core | failed | expired |\n|---|---|---|---|---|---|---|---|---|",
+        k["setup"]["etcd"].as_str().unwrap_or("")
+    );
+    for v in k["variants"].as_array().into_iter().flatten() {
+        let _ = writeln!(
+            m,
+            "| {} s | {} ms | {} | {} | {} | {} | {} | {} | {} |",
+            v["lease_ttl_s"],
+            v["keepalive_interval_ms"],
+            v["leases"],
+            num(&v["keepalives_per_s"], 0),
+            num(&v["etcd_cores"], 3),
+            num(&v["etcd_us_per_keepalive"], 1),
+            num(&v["ranks_per_etcd_core"], 0),
+            v["failed"],
+            v["expired"]
+        );
+    }
+}
+
+fn startup_section(m: &mut String, su: &Value) {
+    if !su.is_object() {
+        return;
+    }
+    let _ = writeln!(
+        m,
+        "\n## 9. Start-up ({} records, no leases)\n\n| load | spawn to /readyz s | coordinator CPU s | etcd CPU s |\n|---|---|---|---|\n| serial, before (in-process) | {} | {} | {} |",
+        su["setup"]["records"],
+        num(&su["before"]["load_s"], 2),
+        num(&su["before"]["loader_cpu_s"], 2),
+        num(&su["before"]["etcd_cpu_s"], 2)
+    );
+    for r in su["runs"].as_array().into_iter().flatten() {
+        let _ = writeln!(
+            m,
+            "| {} reader(s) | {} | {} | {} |",
+            r["readers"],
+            num(&r["start_to_ready_s"], 2),
+            num(&r["coordinator_cpu_s"], 2),
+            num(&r["etcd_cpu_s"][0], 2)
+        );
+    }
+}
+
+fn node_memory_section(m: &mut String, n: &Value) {
+    if !n.is_object() {
+        return;
+    }
+    let mib = |v: &Value| num(&json!(f(v) / 1048576.0), 1);
+    let _ = writeln!(
+        m,
+        "\n## 8. node-watch memory\n\n| etcd holds | RSS MiB | peak RSS MiB | start to loaded s |\n|---|---|---|---|\n| nothing | {} | {} | {} |\n| {} room records | {} | {} | {} |\n\nRSS ratio: {}",
+        mib(&n["empty"]["rss_bytes"]), mib(&n["empty"]["hwm_bytes"]), num(&n["empty"]["start_to_loaded_s"], 2),
+        n["setup"]["records"], mib(&n["populated"]["rss_bytes"]), mib(&n["populated"]["hwm_bytes"]),
+        num(&n["populated"]["start_to_loaded_s"], 2), num(&n["rss_ratio"], 2)
+    );
+}
+
+fn events_section(m: &mut String, e: &Value) {
+    if !e.is_object() {
+        return;
+    }
+    let w = &e["with_readers"];
+    let q = &e["quiet"];
+    let _ = writeln!(
+        m,
+        "\n## 10. Events (`GET /v1/events`: {} readers, {} records/s offered)\n\n| | achieved records/s | delivery lag p50 ms | p99 ms | max ms | coordinator cores | etcd cores | bench + readers cores | readers cut off | probe deliveries missing |\n|---|---|---|---|---|---|---|---|---|---|\n| no reader | {} | | | | {} | {} | {} | | |\n| {} readers | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n\nCoordinator RSS: {} MiB before the readers, {} MiB with them connected, {} MiB after the stage.",
+        e["setup"]["readers"], e["setup"]["offered_records_per_s"],
+        num(&q["achieved_records_per_s"], 0), num(&q["cpu"]["coordinator_cores"], 2), num(&q["cpu"]["etcd_cores"], 2),
+        num(&q["cpu"]["bench_and_readers_cores"], 2),
+        e["setup"]["readers"], num(&w["achieved_records_per_s"], 0),
+        num(&json!(f(&w["delivery_lag"]["p50_us"]) / 1e3), 2), num(&json!(f(&w["delivery_lag"]["p99_us"]) / 1e3), 2),
+        num(&json!(f(&w["delivery_lag"]["max_us"]) / 1e3), 2),
+        num(&w["cpu"]["coordinator_cores"], 2), num(&w["cpu"]["etcd_cores"], 2), num(&w["cpu"]["bench_and_readers_cores"], 2),
+        w["readers_cut_off"], w["probe_deliveries_missing"],
+        num(&json!(f(&e["coordinator_rss_bytes"]["before_readers"]) / 1048576.0), 1),
+        num(&json!(f(&e["coordinator_rss_bytes"]["readers_connected"]) / 1048576.0), 1),
+        num(&json!(f(&e["coordinator_rss_bytes"]["after_stage"]) / 1048576.0), 1),
+    );
 }
 
 /// Part 11: what TLS and the token cost, plain and secure side by side.

@@ -266,6 +266,7 @@ async fn verdict(
     let asked_at_ms = rootrank_store::unix_ms();
     let deadline = Instant::now() + Duration::from_millis(wait_ms);
     let mut revisions = shared.revision_tx.subscribe();
+    let waiter = shared.waiters.watch(room);
     let span = tracing::debug_span!("verdict", %room, group = group.as_ref().map(|g| g.as_str()), asking_rank);
     span.in_scope(|| tracing::debug!(wait_ms, min_revision, "verdict asked"));
     let query = || VerdictQuery {
@@ -275,15 +276,20 @@ async fn verdict(
         now_ms: rootrank_store::unix_ms(),
     };
     loop {
+        // Armed before looking, so a wake between the look and the wait is not lost.
+        let woken = waiter.notify().notified();
+        tokio::pin!(woken);
+        woken.as_mut().enable();
         revisions.mark_unchanged();
         // A replica that lost etcd while this request waited answers 503 at once (it is woken).
         ensure_ready(&shared)?;
-        {
+        let (current, changes_in_ms) = {
             let index = shared.index.read().map_err(|_| ApiError::not_ready())?;
             let current = min_revision.is_none_or(|m| index.revision() >= m);
             let now = Instant::now();
             // The wake check asks only for the status; the verdict is built once, at the end.
-            if current && (now >= deadline || index.verdict_status(&query()) == Status::Resolved) {
+            let (status, changes_in_ms) = index.verdict_wait(&query());
+            if current && (now >= deadline || status == Status::Resolved) {
                 let (status, body) = shared.verdicts.answer(&index, &query(), compact)?;
                 drop(index);
                 shared.metrics.verdicts.with_label_values(&[status.as_str()]).inc();
@@ -301,10 +307,28 @@ async fn verdict(
                 )
                 .retry_after(1));
             }
+            (current, changes_in_ms)
+        };
+        // Wake when something about this room changes (or about every room: a rank's state, a
+        // reload, the loss of etcd), when the verdict may change by time alone, when the wait
+        // ends; a poll behind `min_revision` also on every applied revision.
+        let now = Instant::now();
+        let mut until = deadline;
+        if let Some(ms) = changes_in_ms {
+            until = until.min(now + Duration::from_millis(u64::try_from(ms).unwrap_or(0)));
         }
-        // Wake on the next applied revision, or when the wait ends.
-        let left = deadline.saturating_duration_since(Instant::now());
-        let _ = tokio::time::timeout(left, revisions.changed()).await;
+        let left = until.saturating_duration_since(now);
+        if current {
+            let _ = tokio::time::timeout(left, woken).await;
+        } else {
+            let _ = tokio::time::timeout(left, async {
+                tokio::select! {
+                    _ = &mut woken => {}
+                    _ = revisions.changed() => {}
+                }
+            })
+            .await;
+        }
     }
 }
 

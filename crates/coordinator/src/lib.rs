@@ -6,6 +6,7 @@
 //! - [`http`]: the API of SPEC section 6, including long-poll verdicts.
 //! - [`metrics`]: the metrics of SPEC section 8.
 //! - [`events`]: `GET /v1/events`, a bounded ring of rank changes and resolved rooms.
+//! - [`waiters`]: long polls wait on their room, woken by what concerns it.
 //!
 //! Nothing lives only in memory: a restarted coordinator rebuilds the same index from etcd.
 
@@ -16,6 +17,7 @@ pub mod metrics;
 pub mod presence;
 pub mod server;
 pub mod sync;
+pub mod waiters;
 
 use std::net::SocketAddr;
 use std::sync::atomic::AtomicBool;
@@ -80,8 +82,11 @@ pub struct Shared {
     pub index: RwLock<Index>,
     /// Set once the first snapshot is loaded and while the watch is established.
     pub ready: AtomicBool,
-    /// Bumped after every applied batch; long polls wait on it.
+    /// Bumped after every applied batch: the event stream, and long polls waiting for a
+    /// `min_revision`, wait on it.
     pub revision_tx: watch::Sender<i64>,
+    /// Long polls waiting on a room's verdict.
+    pub waiters: waiters::RoomWaiters,
     pub metrics: metrics::Metrics,
     /// Slots for long polls (see [`http::MAX_LONG_POLLS`]).
     pub long_polls: Arc<tokio::sync::Semaphore>,
@@ -99,6 +104,7 @@ impl Shared {
             index: RwLock::new(Index::new(config.index.clone())),
             ready: AtomicBool::new(false),
             revision_tx,
+            waiters: waiters::RoomWaiters::default(),
             metrics: metrics::Metrics::new()?,
             long_polls: Arc::new(tokio::sync::Semaphore::new(
                 config.max_long_polls.clamp(1, tokio::sync::Semaphore::MAX_PERMITS),
@@ -116,6 +122,7 @@ impl Shared {
     pub fn set_unready(&self) {
         if self.ready.swap(false, std::sync::atomic::Ordering::SeqCst) {
             self.revision_tx.send_modify(|_| {});
+            self.waiters.wake_all();
         }
     }
 }

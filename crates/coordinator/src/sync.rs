@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rootrank_core::records::{DownSource, RankDown, SCHEMA_VERSION};
-use rootrank_core::{time, Event, Index, Keys, Output, Reason};
+use rootrank_core::{time, Event, Index, KeyKind, Keys, Output, Reason};
 use rootrank_store::{LazyClient, Mirror, Retained, RetainedWriter, SnapshotStats};
 use tokio::sync::mpsc;
 use tracing::{debug, info, info_span, warn, Instrument};
@@ -124,10 +124,18 @@ impl Mirror for IndexMirror {
         // current: `current` follows etcd's answer to the watch.
         shared.ready.store(true, Ordering::SeqCst);
         shared.revision_tx.send_replace(revision);
+        // A new index: every answer may have changed.
+        shared.waiters.wake_all();
     }
 
     fn apply(&mut self, events: Vec<Event>, revision: i64) {
         let now = rootrank_store::unix_ms();
+        // Anything but a room record (a rank's live record, certificate, stall) may change
+        // the answer of any room: those are few; room records are the load.
+        let keys = Keys::new(&self.config.index.prefix);
+        let rank_level = events
+            .iter()
+            .any(|e| !matches!(keys.parse(e.key()), Some(KeyKind::Room { .. })));
         let outputs = {
             let Ok(mut idx) = self.shared.index.write() else {
                 return;
@@ -145,6 +153,11 @@ impl Mirror for IndexMirror {
             self.shared.events.append(&idx, &outputs, now);
             outputs
         };
+        if rank_level {
+            self.shared.waiters.wake_all();
+        } else {
+            self.wake(&outputs);
+        }
         self.handle_outputs(outputs, true);
         let rev = self.shared.index.read().map(|i| i.revision()).unwrap_or(0);
         self.shared.revision_tx.send_replace(rev);
@@ -188,6 +201,7 @@ impl Mirror for IndexMirror {
         if outputs.is_empty() {
             return;
         }
+        self.wake(&outputs);
         self.handle_outputs(outputs, true);
         self.shared.revision_tx.send_replace(revision);
     }
@@ -213,6 +227,25 @@ fn output_revision(o: &Output) -> i64 {
 }
 
 impl IndexMirror {
+    /// Wakes the long polls these outputs concern: a room's, for its records and its
+    /// resolution; all, for a rank's change (any room may follow a rank, a group, a peer).
+    fn wake(&self, outputs: &[Output]) {
+        let waiters = &self.shared.waiters;
+        if outputs
+            .iter()
+            .any(|o| matches!(o, Output::RankChanged { .. } | Output::LiveKeyVanished { .. }))
+        {
+            waiters.wake_all();
+            return;
+        }
+        for o in outputs {
+            match o {
+                Output::RecordAccepted { room, .. } | Output::RoomResolved { room, .. } => waiters.wake(*room),
+                _ => {}
+            }
+        }
+    }
+
     fn handle_outputs(&mut self, outputs: Vec<Output>, live: bool) {
         let m = &self.shared.metrics;
         for o in outputs {

@@ -80,6 +80,12 @@ impl Event {
             Event::Put { revision, .. } | Event::Delete { revision, .. } => *revision,
         }
     }
+
+    pub fn key(&self) -> &[u8] {
+        match self {
+            Event::Put { key, .. } | Event::Delete { key, .. } => key,
+        }
+    }
 }
 
 /// What the shell should know or do after an event.
@@ -87,6 +93,7 @@ impl Event {
 pub enum Output {
     /// A room failure record entered the index (for `rootrank_failure_records_total`).
     RecordAccepted {
+        room: RoomId,
         group: GroupId,
         origin: Origin,
         revision: i64,
@@ -1129,6 +1136,7 @@ impl Index {
         self.record_count += 1;
         *self.group_records.entry(group.clone()).or_default() += 1;
         out.push(Output::RecordAccepted {
+            room,
             group: group.clone(),
             origin: rec.origin,
             revision,

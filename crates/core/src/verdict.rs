@@ -477,9 +477,21 @@ impl Index {
     /// Only the status of the answer: what a long poll checks on every new revision,
     /// without building the verdict's strings.
     pub fn verdict_status(&self, q: &VerdictQuery) -> Status {
-        self.decide(q.room, q.group.as_ref(), q.asked_at_ms, q.now_ms)
-            .status_action()
-            .0
+        self.verdict_wait(q).0
+    }
+
+    /// The verdict's status, and in how many milliseconds it may change with no new event (a
+    /// pending window ends): when a long poll has to look again if nothing wakes it sooner.
+    pub fn verdict_wait(&self, q: &VerdictQuery) -> (Status, Option<i64>) {
+        let decision = self.decide(q.room, q.group.as_ref(), q.asked_at_ms, q.now_ms);
+        let changes_in = match decision.last() {
+            // Inclusive windows: the answer may change the millisecond after.
+            Decision::Pending { remaining_ms } | Decision::VictimPending { remaining_ms } => {
+                Some(remaining_ms.saturating_add(1).max(1))
+            }
+            _ => None,
+        };
+        (decision.status_action().0, changes_in)
     }
 
     /// Answers a verdict question (SPEC section 5).

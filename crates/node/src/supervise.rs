@@ -157,10 +157,7 @@ async fn supervise_inner(config: SuperviseConfig) -> Result<SupervisedExit, Node
     }
     // Handlers before the child exists, so a signal right after the spawn is forwarded
     // instead of killing the supervisor and orphaning the child unreported.
-    let mut sigint = install(libc::SIGINT)?;
-    let mut sigterm = install(libc::SIGTERM)?;
-    let mut sighup = install(libc::SIGHUP)?;
-    let mut sigquit = install(libc::SIGQUIT)?;
+    let mut signals = Forwarded::install()?;
     // Bound before the spawn, so a taken address stops us before there is a child. The
     // server is a task of its own that nothing here waits for, and its sockets are
     // close-on-exec: the child never sees them.
@@ -170,18 +167,7 @@ async fn supervise_inner(config: SuperviseConfig) -> Result<SupervisedExit, Node
     let kernel = KernelLog::open_or_unavailable();
 
     let program = config.command[0].clone();
-    let mut cmd = tokio::process::Command::new(&program);
-    cmd.args(&config.command[1..])
-        .env("ROOTRANK_GROUP", config.group.as_str())
-        .env("ROOTRANK_RANK", config.rank.to_string())
-        .env("ROOTRANK_GROUP_SIZE", config.group_size.to_string())
-        .env("ROOTRANK_ETCD_ENDPOINTS", config.etcd.endpoints.join(","))
-        .env("ROOTRANK_PREFIX", &config.prefix)
-        .stdin(Stdio::inherit())
-        .stdout(Stdio::inherit())
-        .stderr(Stdio::piped());
-    // The child's own agent (the SGLang plugin) connects as the supervisor does: same files.
-    cmd.envs(config.etcd.files().to_env());
+    let mut cmd = rank_command(&config);
     let watched_since = Instant::now();
     let mut child = cmd.spawn().map_err(|source| NodeError::Spawn {
         program: program.clone(),
@@ -207,21 +193,7 @@ async fn supervise_inner(config: SuperviseConfig) -> Result<SupervisedExit, Node
     let shared: Shared = Arc::new(Mutex::new(Discovery::new(metrics.unverified_pids.clone())));
     let discovery = tokio::spawn(discover(config.clone(), pid, Arc::clone(&shared)).in_current_span());
 
-    let status = loop {
-        let sig = tokio::select! {
-            st = child.wait() => break st.map_err(NodeError::Wait)?,
-            _ = sigint.recv() => libc::SIGINT,
-            _ = sigterm.recv() => libc::SIGTERM,
-            _ = sighup.recv() => libc::SIGHUP,
-            _ = sigquit.recv() => libc::SIGQUIT,
-        };
-        debug!(pid, signal = sig, "forwarding signal to the rank process");
-        // SAFETY: kill(2) on our own child's pid, which stays ours (unreaped) until wait()
-        // above returns.
-        unsafe {
-            libc::kill(pid as i32, sig);
-        }
-    };
+    let status = signals.forward_until_exit(&mut child, pid).await?;
     let exit = ExitInfo::from(status);
     let noticed_at = Instant::now();
     info!(pid, %exit, "rank process ended");
@@ -252,18 +224,7 @@ async fn supervise_inner(config: SuperviseConfig) -> Result<SupervisedExit, Node
     };
     let gpu = known.as_ref().and_then(|k| k.gpu.clone());
     let c = rootrank_watchdog::diagnose(&pe, &kernel, gpu.as_deref()).await;
-    let (reason, detail) = if exit.code == Some(0) {
-        (Reason::well_known(reasons::SHUTDOWN), "exited with code 0".to_string())
-    } else if c.reason == rootrank_watchdog::reason::PROCESS_EXIT
-        && rootrank_core::fatal::is_peer_lost(&log_tail.join("\n"))
-    {
-        // Nothing outside the process killed it, and its last words say a peer of its
-        // collective vanished: a victim (rule 7), whatever its exit status.
-        let last = rootrank_core::fatal::exception_line(&log_tail.join("\n")).to_string();
-        (Reason::well_known(reasons::PEER_LOST), format!("{last} ({})", c.detail))
-    } else {
-        (Reason::new(c.reason)?, c.detail)
-    };
+    let (reason, detail) = why_it_ended(exit, c, &log_tail)?;
     let code = exit_code(exit);
 
     let Some(known) = known else {
@@ -298,19 +259,7 @@ async fn supervise_inner(config: SuperviseConfig) -> Result<SupervisedExit, Node
         group_size: known.group_size,
         role: known.role.clone(),
     };
-    let mut writer = CertWriter::new(config.etcd.clone(), &config.prefix, config.retention);
-    let written = writer
-        .write(&down, Some(rootrank_store::deadline_after(config.report_timeout)))
-        .await;
-    match written {
-        Written::Yes => info!(incarnation = %known.incarnation, reason = %down.reason, "down certificate written"),
-        Written::AlreadyThere => {
-            info!(incarnation = %known.incarnation, "the rank's incarnation already had a certificate; kept it")
-        }
-        Written::GaveUp => warn!(incarnation = %known.incarnation, "etcd unreachable: down certificate not written"),
-        Written::Rejected => warn!(incarnation = %known.incarnation, "etcd rejected the down certificate"),
-    }
-    let reported = matches!(written, Written::Yes | Written::AlreadyThere);
+    let reported = write_certificate(&config, &down).await;
     // Revoking our lease now (rather than letting it expire) removes the live key at once;
     // the agent's own `shutdown` certificate is refused since ours is already there. Without
     // a certificate we must not claim a clean shutdown: then the lease runs out instead.
@@ -321,6 +270,102 @@ async fn supervise_inner(config: SuperviseConfig) -> Result<SupervisedExit, Node
         reported,
         code,
     })
+}
+
+/// The rank's command: its argv, and where its agent finds etcd and who it is.
+fn rank_command(config: &SuperviseConfig) -> tokio::process::Command {
+    let mut cmd = tokio::process::Command::new(&config.command[0]);
+    cmd.args(&config.command[1..])
+        .env("ROOTRANK_GROUP", config.group.as_str())
+        .env("ROOTRANK_RANK", config.rank.to_string())
+        .env("ROOTRANK_GROUP_SIZE", config.group_size.to_string())
+        .env("ROOTRANK_ETCD_ENDPOINTS", config.etcd.endpoints.join(","))
+        .env("ROOTRANK_PREFIX", &config.prefix)
+        .stdin(Stdio::inherit())
+        .stdout(Stdio::inherit())
+        .stderr(Stdio::piped());
+    // The child's own agent (the SGLang plugin) connects as the supervisor does: same files.
+    cmd.envs(config.etcd.files().to_env());
+    cmd
+}
+
+/// The signals the supervisor passes on to its rank.
+struct Forwarded {
+    int: tokio::signal::unix::Signal,
+    term: tokio::signal::unix::Signal,
+    hup: tokio::signal::unix::Signal,
+    quit: tokio::signal::unix::Signal,
+}
+
+impl Forwarded {
+    fn install() -> Result<Self, NodeError> {
+        Ok(Forwarded {
+            int: install(libc::SIGINT)?,
+            term: install(libc::SIGTERM)?,
+            hup: install(libc::SIGHUP)?,
+            quit: install(libc::SIGQUIT)?,
+        })
+    }
+
+    /// Waits for the child to end, passing every signal on to it meanwhile.
+    async fn forward_until_exit(
+        &mut self,
+        child: &mut tokio::process::Child,
+        pid: u32,
+    ) -> Result<std::process::ExitStatus, NodeError> {
+        loop {
+            let sig = tokio::select! {
+                st = child.wait() => return st.map_err(NodeError::Wait),
+                _ = self.int.recv() => libc::SIGINT,
+                _ = self.term.recv() => libc::SIGTERM,
+                _ = self.hup.recv() => libc::SIGHUP,
+                _ = self.quit.recv() => libc::SIGQUIT,
+            };
+            debug!(pid, signal = sig, "forwarding signal to the rank process");
+            // SAFETY: kill(2) on our own child's pid, which stays ours (unreaped) until wait()
+            // above returns.
+            unsafe {
+                libc::kill(pid as i32, sig);
+            }
+        }
+    }
+}
+
+/// The certificate's reason and detail: a clean exit, a victim (its last words say a peer
+/// vanished), or what the host says killed it.
+fn why_it_ended(
+    exit: ExitInfo,
+    c: rootrank_watchdog::Classification,
+    log_tail: &[String],
+) -> Result<(Reason, String), NodeError> {
+    Ok(if exit.code == Some(0) {
+        (Reason::well_known(reasons::SHUTDOWN), "exited with code 0".to_string())
+    } else if c.reason == rootrank_watchdog::reason::PROCESS_EXIT
+        && rootrank_core::fatal::is_peer_lost(&log_tail.join("\n"))
+    {
+        // Nothing outside the process killed it, and its last words say a peer of its
+        // collective vanished: a victim (rule 7), whatever its exit status.
+        let last = rootrank_core::fatal::exception_line(&log_tail.join("\n")).to_string();
+        (Reason::well_known(reasons::PEER_LOST), format!("{last} ({})", c.detail))
+    } else {
+        (Reason::new(c.reason)?, c.detail)
+    })
+}
+
+/// Writes the rank's certificate within the report timeout; whether etcd has one for it.
+async fn write_certificate(config: &SuperviseConfig, down: &RankDown) -> bool {
+    let inc = down.incarnation;
+    let mut writer = CertWriter::new(config.etcd.clone(), &config.prefix, config.retention);
+    let written = writer
+        .write(down, Some(rootrank_store::deadline_after(config.report_timeout)))
+        .await;
+    match written {
+        Written::Yes => info!(incarnation = %inc, reason = %down.reason, "down certificate written"),
+        Written::AlreadyThere => info!(incarnation = %inc, "the rank's incarnation already had a certificate; kept it"),
+        Written::GaveUp => warn!(incarnation = %inc, "etcd unreachable: down certificate not written"),
+        Written::Rejected => warn!(incarnation = %inc, "etcd rejected the down certificate"),
+    }
+    matches!(written, Written::Yes | Written::AlreadyThere)
 }
 
 fn install(sig: i32) -> Result<tokio::signal::unix::Signal, NodeError> {
