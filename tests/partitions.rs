@@ -10,7 +10,7 @@ use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use rootrank_store::embedded::{EmbeddedEtcd, EtcdOptions};
-use rootrank_testkit::{eventually, free_port, require_root, rootrank_bin, Coordinator, Rank};
+use rootrank_testkit::{eventually, free_port, python_with_rootrank, require_root, rootrank_bin, Coordinator, Rank};
 
 fn run(args: &[&str]) {
     let out = Command::new(args[0]).args(&args[1..]).output().unwrap();
@@ -139,6 +139,15 @@ impl NsRank {
     }
 }
 
+/// `rootrank.Coordinator("A,B").verdict(66, wait_ms=30000)`, timed.
+const PYTHON_LONG_POLL: &str = r#"
+import json, sys, time, rootrank
+c = rootrank.Coordinator(sys.argv[1])
+t = time.monotonic()
+v = c.verdict(66, group="part-0", wait_ms=30000)
+print(json.dumps({"elapsed_s": time.monotonic() - t, "status": v["status"], "culprit": v["culprit"]}))
+"#;
+
 async fn status(url: &str) -> Option<(u16, serde_json::Value)> {
     rootrank_testkit::get(url).await.ok()
 }
@@ -231,6 +240,16 @@ async fn a_partitioned_replica_says_not_current_and_recovers_and_a_partitioned_r
             (status(&url).await, asked.elapsed())
         }
     });
+    // And one through the Python client (what the SGLang plugin and schedulers use), given A
+    // first, then B: when A answers 503 it must ask B within the same call.
+    let python = python_with_rootrank().unwrap();
+    let replicas = format!("{a_url},{}", b.url);
+    let python_poll = tokio::task::spawn_blocking(move || {
+        Command::new(python)
+            .args(["-c", PYTHON_LONG_POLL, &replicas])
+            .env_remove("ROOTRANK_COORDINATOR")
+            .output()
+    });
     tokio::time::sleep(Duration::from_millis(300)).await;
 
     // The partition.
@@ -255,6 +274,21 @@ async fn a_partitioned_replica_says_not_current_and_recovers_and_a_partitioned_r
         .unwrap();
     assert_eq!(s, 503, "{v}");
     assert_eq!(v["error"]["code"], "not_ready", "{v}");
+
+    // A host rank fails room 66 now, after the cut: only B can know. The Python call that
+    // started on A answers with it, within its one call.
+    host_ranks[0].fail(66, "local", "nixl_error", "after the cut").unwrap();
+    let out = python_poll.await.unwrap().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let answer: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(answer["status"], "resolved", "{answer}");
+    assert_eq!(answer["culprit"]["group"], "part-0", "{answer}");
+    assert_eq!(answer["culprit"]["rank"], 0, "{answer}");
+    assert!(answer["elapsed_s"].as_f64().unwrap() < 30.0, "{answer}");
+    eprintln!(
+        "the Python client's long poll moved from A to B and answered after {:.1} s",
+        answer["elapsed_s"].as_f64().unwrap()
+    );
 
     // Meanwhile a host rank dies (B certifies it) and the namespace's rank records failures.
     host_ranks.remove(1).kill9();

@@ -154,7 +154,13 @@ def test_a_wedged_rank_holding_the_gil_is_stalled_first_and_named_the_suspect(et
         assert "stalled" in out and "suspect" in out, out
         # Both resume: live again, healthy, events say so in revision order.
         wait_until(lambda: coordinator.http(f"/v1/health?group={g}")[0] == 200, 30, "healthy again")
-        wait_until(lambda: events.rank(g, 1, "live") and len(events.rank(g, 1, "live")) >= 2, 10, "rank 1 live event")
+        try:
+            wait_until(lambda: events.rank(g, 1, "live") and len(events.rank(g, 1, "live")) >= 2, 10, "rank 1 live event")
+        except AssertionError:
+            import sys
+            print("DEBUG items", events.items, events.error, file=sys.stderr)
+            print("DEBUG groups", coordinator.http(f"/v1/groups/{g}"), file=sys.stderr)
+            raise
         stalled1, stalled0 = events.rank(g, 1, "stalled")[0], events.rank(g, 0, "stalled")[0]
         assert stalled1["revision"] < stalled0["revision"], events.items
         revs = [e["revision"] for e in events.items]

@@ -139,6 +139,26 @@ impl Metrics {
         })
     }
 
+    /// Drops every series labelled with `group` (its counters): the index forgot the group.
+    pub fn forget_group(&self, group: &rootrank_core::GroupId) {
+        fn forget(vec: &IntCounterVec, group: &str) {
+            use prometheus::core::Collector;
+            for family in vec.collect() {
+                for metric in family.get_metric() {
+                    let labels = metric.get_label();
+                    if labels.iter().any(|l| l.name() == "group" && l.value() == group) {
+                        // By name: the exposition sorts labels, the vector's order may differ.
+                        let by_name: std::collections::HashMap<&str, &str> =
+                            labels.iter().map(|l| (l.name(), l.value())).collect();
+                        let _ = vec.remove(&by_name);
+                    }
+                }
+            }
+        }
+        forget(&self.root_causes, group.as_str());
+        forget(&self.failure_records, group.as_str());
+    }
+
     /// Renders the text exposition; gauges derived from the index are refreshed first.
     pub fn render(&self, index: &Index) -> String {
         // A poisoned lock only means a scrape panicked: the gauges are refilled below anyway.
@@ -186,6 +206,22 @@ mod tests {
             });
         }
         index
+    }
+
+    #[test]
+    fn a_forgotten_group_takes_its_series_along() {
+        let metrics = Metrics::new().unwrap();
+        for g in ["a-0", "b-0"] {
+            metrics.failure_records.with_label_values(&[g, "local"]).inc();
+            metrics
+                .root_causes
+                .with_label_values(&[g, "1", "nixl_error", "room_record"])
+                .inc();
+        }
+        metrics.forget_group(&rootrank_core::GroupId::new("a-0").unwrap());
+        let text = metrics.render(&Index::new(IndexConfig::default()));
+        assert!(!text.contains("group=\"a-0\""), "{text}");
+        assert_eq!(text.matches("group=\"b-0\"").count(), 2, "{text}");
     }
 
     /// Two Prometheus servers scraping one replica at once: each scrape sees every series

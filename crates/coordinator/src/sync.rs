@@ -222,6 +222,7 @@ fn output_revision(o: &Output) -> i64 {
         | Output::RoomResolved { revision, .. }
         | Output::LiveKeyVanished { revision, .. }
         | Output::RankChanged { revision, .. }
+        | Output::GroupForgotten { revision, .. }
         | Output::Invalid { revision, .. } => *revision,
     }
 }
@@ -293,6 +294,12 @@ impl IndexMirror {
                     if live {
                         info!(%group, rank, ?state, reason = reason.as_ref().map(|r| r.as_str()), "rank state changed");
                     }
+                }
+                Output::GroupForgotten { group, .. } => {
+                    // Its series go with it: instances restart under new group names, and a
+                    // counter per name ever seen would grow the registry (and every scrape) forever.
+                    m.forget_group(group);
+                    debug!(%group, "group forgotten: etcd holds nothing for it");
                 }
                 Output::Invalid { kind, key, error, .. } => {
                     m.invalid_records.with_label_values(&[kind]).inc();

@@ -138,6 +138,9 @@ pub enum Output {
         incarnation: Incarnation,
         revision: i64,
     },
+    /// etcd holds nothing for this group any more: the index forgot it (the shell forgets
+    /// its metric series too).
+    GroupForgotten { group: GroupId, revision: i64 },
     /// A value under the prefix that is not a valid record: skipped.
     Invalid {
         kind: &'static str,
@@ -667,7 +670,7 @@ impl Index {
                         self.ranks.remove(&key);
                     }
                 }
-                self.prune_group(&group);
+                self.prune_group(&group, revision, out);
             }
             Some(KeyKind::Room { group, room, rank }) => {
                 let Some(entry) = self.rooms.get_mut(&room) else { return };
@@ -699,7 +702,7 @@ impl Index {
                     // a death they did not reach may count, as on a replica that loads now.
                     self.recheck_room(room, revision, now, out);
                 }
-                self.prune_group(&group);
+                self.prune_group(&group, revision, out);
             }
             _ => {}
         }
@@ -710,7 +713,7 @@ impl Index {
     /// no room record. So groups that come and go (the SGLang plugin names them after an
     /// instance's `host:port`, new at every restart) leave no memory behind, and a replica
     /// that has run for a month holds what one started now holds.
-    fn prune_group(&mut self, group: &GroupId) {
+    fn prune_group(&mut self, group: &GroupId, revision: i64, out: &mut Vec<Output>) {
         let lo = (group.clone(), Rank::MIN);
         let hi = (group.clone(), Rank::MAX);
         if self.group_records.get(group).is_some_and(|n| *n > 0)
@@ -724,7 +727,12 @@ impl Index {
             return;
         }
         self.group_records.remove(group);
-        self.groups.remove(group);
+        if self.groups.remove(group).is_some() {
+            out.push(Output::GroupForgotten {
+                group: group.clone(),
+                revision,
+            });
+        }
         let ranks: Vec<_> = self
             .ranks
             .range(lo.clone()..=hi.clone())

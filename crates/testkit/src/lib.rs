@@ -33,8 +33,8 @@ pub mod pki;
 pub use cgroup::MemoryCgroup;
 pub use nixl::nixl_dir;
 pub use sys::{
-    alive, children_of, free_port, listening_tcp_ports, processes_mentioning, promtool_check_metrics, repo_root,
-    require_root, rootrank_bin, signal, try_signal,
+    alive, children_of, free_port, listening_tcp_ports, processes_mentioning, promtool_check_metrics,
+    python_with_rootrank, repo_root, require_root, rootrank_bin, signal, try_signal,
 };
 
 #[cfg(feature = "etcd")]

@@ -22,6 +22,32 @@ pub fn rootrank_bin() -> PathBuf {
     profile_dir.join("rootrank")
 }
 
+/// A Python with the `rootrank` package installed: `$ROOTRANK_PYTHON`, else the cached SGLang
+/// venv the Python tier installs the wheel into (`scripts/test-python.sh`, which `make test`
+/// runs before the Rust tests). Checked: a test that needs it fails saying how to get it.
+pub fn python_with_rootrank() -> anyhow::Result<PathBuf> {
+    let python = match std::env::var_os("ROOTRANK_PYTHON") {
+        Some(p) => PathBuf::from(p),
+        None => {
+            let cache = std::env::var_os("ROOTRANK_CACHE_DIR")
+                .map(PathBuf::from)
+                .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/rootrank"));
+            cache.join("sglang-0.5.23/bin/python")
+        }
+    };
+    let ok = std::process::Command::new(&python)
+        .args(["-c", "import rootrank"])
+        .status()
+        .is_ok_and(|s| s.success());
+    if !ok {
+        anyhow::bail!(
+            "{} cannot import rootrank: run `make test-python` (it installs the wheel into the cached SGLang venv) or set ROOTRANK_PYTHON",
+            python.display()
+        );
+    }
+    Ok(python)
+}
+
 /// A loopback TCP port nobody listened on a moment ago.
 pub fn free_port() -> std::io::Result<u16> {
     let l = std::net::TcpListener::bind("127.0.0.1:0")?;
