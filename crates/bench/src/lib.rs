@@ -30,6 +30,7 @@ pub mod events;
 pub mod ingest;
 pub mod keepalive;
 pub mod load;
+pub mod long_polls;
 pub mod node_memory;
 pub mod procs;
 pub mod report;
@@ -60,6 +61,7 @@ pub struct Suite {
     pub startup: Option<startup::StartupCfg>,
     pub events: Option<events::EventsCfg>,
     pub security: Option<security::SecurityCfg>,
+    pub long_polls: Option<long_polls::LongPollsCfg>,
 }
 
 impl Suite {
@@ -76,6 +78,7 @@ impl Suite {
             startup: Some(startup::StartupCfg::full()),
             events: Some(events::EventsCfg::full()),
             security: Some(security::SecurityCfg::full()),
+            long_polls: Some(long_polls::LongPollsCfg::full()),
         }
     }
     /// Tiny sizes, seconds long: for `cargo test` and `make bench-smoke`.
@@ -92,6 +95,7 @@ impl Suite {
             startup: Some(startup::StartupCfg::smoke()),
             events: Some(events::EventsCfg::smoke()),
             security: Some(security::SecurityCfg::smoke()),
+            long_polls: Some(long_polls::LongPollsCfg::smoke()),
         }
     }
 }
@@ -133,6 +137,7 @@ pub async fn run(env: &Env, suite: &Suite, mode: &str) -> Value {
     part!("startup", suite.startup, startup::run);
     part!("events", suite.events, events::run);
     part!("security", suite.security, security::run);
+    part!("long_polls", suite.long_polls, long_polls::run);
     let mut results = json!({
         "schema": "rootrank-bench/1",
         "mode": mode,

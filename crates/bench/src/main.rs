@@ -7,8 +7,8 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use rootrank_bench::{
-    agent_cost, burst, detection, events, ingest, keepalive, node_memory, scale, startup, util::parse_duration,
-    verdicts, Env, Suite,
+    agent_cost, burst, detection, events, ingest, keepalive, long_polls, node_memory, scale, startup,
+    util::parse_duration, verdicts, Env, Suite,
 };
 
 // Counts allocations only while the core-index measurement turns it on (see alloc.rs).
@@ -120,6 +120,21 @@ enum Cmd {
         #[arg(long, default_value = "8s")]
         duration: String,
         #[arg(long, default_value_t = 20.0)]
+        probe_rate: f64,
+        #[command(flatten)]
+        out: Out,
+    },
+    /// 12. Long polls parked on their rooms while other rooms' records stream in.
+    LongPolls {
+        #[arg(long, default_value_t = 2_000)]
+        polls: usize,
+        #[arg(long, default_value_t = 5_000)]
+        rate: u64,
+        #[arg(long, default_value_t = 32)]
+        agents: usize,
+        #[arg(long, default_value = "8s")]
+        duration: String,
+        #[arg(long, default_value_t = 10.0)]
         probe_rate: f64,
         #[command(flatten)]
         out: Out,
@@ -449,6 +464,27 @@ fn suite_of(cmd: Cmd) -> anyhow::Result<(Suite, &'static str, PathBuf)> {
             },
             "startup",
             out.out.unwrap_or_else(|| PathBuf::from("bench-results/startup")),
+        ),
+        Cmd::LongPolls {
+            polls,
+            rate,
+            agents,
+            duration,
+            probe_rate,
+            out,
+        } => (
+            Suite {
+                long_polls: Some(long_polls::LongPollsCfg {
+                    polls,
+                    rate,
+                    agents,
+                    duration: parse_duration(&duration)?,
+                    probe_rate,
+                }),
+                ..Suite::default()
+            },
+            "long-polls",
+            out.out.unwrap_or_else(|| PathBuf::from("bench-results/long-polls")),
         ),
         Cmd::Events {
             readers,

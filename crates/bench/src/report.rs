@@ -216,6 +216,7 @@ pub fn markdown(results: &Value) -> String {
     node_memory_section(&mut m, &s["node_memory"]);
     events_section(&mut m, &s["events"]);
     security_section(&mut m, &s["security"]);
+    long_polls_section(&mut m, &s["long_polls"]);
     let _ = writeln!(
         m,
         "\nLatency distributions: `latency.svg`. All figures: `results.json`."
@@ -651,6 +652,27 @@ fn events_section(m: &mut String, e: &Value) {
         num(&json!(f(&e["coordinator_rss_bytes"]["before_readers"]) / 1048576.0), 1),
         num(&json!(f(&e["coordinator_rss_bytes"]["readers_connected"]) / 1048576.0), 1),
         num(&json!(f(&e["coordinator_rss_bytes"]["after_stage"]) / 1048576.0), 1),
+    );
+}
+
+/// Part 12: what parked long polls cost the coordinator per record, and how soon a probe's
+/// poll answers after its record's commit.
+fn long_polls_section(m: &mut String, x: &Value) {
+    if !x.is_object() {
+        return;
+    }
+    let (q, p) = (&x["quiet"], &x["parked"]);
+    let ms = |v: &Value| num(&json!(f(v) / 1e3), 2);
+    let _ = writeln!(
+        m,
+        "\n## 12. Long polls ({} parked on rooms nobody writes, {} records/s offered to other rooms)\n\n| | achieved records/s | coordinator us/record | coordinator cores | probe wake p50 ms | p99 ms | max ms | probes not resolved |\n|---|---|---|---|---|---|---|---|\n| no parked poll | {} | {} | {} | {} | {} | {} | {} |\n| {} parked | {} | {} | {} | {} | {} | {} | {} |\n\nParked polls answered during the stage (each only at its own 30 s wait's end): {}.",
+        x["setup"]["polls"], x["setup"]["offered_records_per_s"],
+        num(&q["achieved_records_per_s"], 0), num(&x["coordinator_us_per_record"]["quiet"], 1), num(&q["cpu"]["coordinator_cores"], 2),
+        ms(&q["probe_wake"]["p50_us"]), ms(&q["probe_wake"]["p99_us"]), ms(&q["probe_wake"]["max_us"]), q["probes_not_resolved"],
+        x["setup"]["polls"],
+        num(&p["achieved_records_per_s"], 0), num(&x["coordinator_us_per_record"]["parked"], 1), num(&p["cpu"]["coordinator_cores"], 2),
+        ms(&p["probe_wake"]["p50_us"]), ms(&p["probe_wake"]["p99_us"]), ms(&p["probe_wake"]["max_us"]), p["probes_not_resolved"],
+        x["parked_polls_answered_during_stage"],
     );
 }
 
