@@ -11,8 +11,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rootrank_core::records::{DownSource, RankDown, SCHEMA_VERSION};
-use rootrank_core::{time, Event, Index, KeyKind, Keys, Output, Reason};
+use rootrank_core::{Event, Index, KeyKind, Keys, Output};
 use rootrank_store::{LazyClient, Mirror, Retained, RetainedWriter, SnapshotStats};
 use tokio::sync::mpsc;
 use tracing::{debug, info, info_span, warn, Instrument};
@@ -318,42 +317,10 @@ async fn certificate_writer(config: CoordinatorConfig, mut rx: mpsc::UnboundedRe
     let keys = Keys::new(&config.index.prefix);
     let mut writer = RetainedWriter::new(LazyClient::new(config.etcd.clone()), config.retention);
     while let Some(o) = rx.recv().await {
-        let Output::LiveKeyVanished {
-            group,
-            rank,
-            incarnation,
-            revision,
-            at_ms,
-            detail,
-            host,
-            pid,
-            registered_revision,
-            lease_ttl_ms,
-            group_size,
-            role,
-        } = o
-        else {
+        let Some(down) = o.into_coordinator_certificate() else {
             continue;
         };
-        let down = RankDown {
-            v: SCHEMA_VERSION,
-            group: group.clone(),
-            rank,
-            incarnation,
-            reason: Reason::well_known(rootrank_core::ids::reasons::LEASE_EXPIRED),
-            detail,
-            source: DownSource::Coordinator,
-            at: Some(time::format_ms(at_ms)),
-            exit: None,
-            log_tail: None,
-            host,
-            pid,
-            observed_revision: Some(revision),
-            registered_revision: Some(registered_revision),
-            lease_ttl_ms,
-            group_size: Some(group_size),
-            role,
-        };
+        let (group, rank, incarnation) = (down.group.clone(), down.rank, down.incarnation);
         let key = keys.down(&group, rank, incarnation);
         let span = info_span!("certificate", %group, rank, %incarnation);
         let written = writer

@@ -150,6 +150,50 @@ pub enum Output {
     },
 }
 
+impl Output {
+    /// The certificate the coordinator persists for a vanished live key (`source:
+    /// coordinator`, `lease_expired`, create-if-absent): what every replica and every restart
+    /// then reads of that death. `None` for any other output.
+    pub fn into_coordinator_certificate(self) -> Option<RankDown> {
+        let Output::LiveKeyVanished {
+            group,
+            rank,
+            incarnation,
+            revision,
+            at_ms,
+            detail,
+            host,
+            pid,
+            registered_revision,
+            lease_ttl_ms,
+            group_size,
+            role,
+        } = self
+        else {
+            return None;
+        };
+        Some(RankDown {
+            v: crate::records::SCHEMA_VERSION,
+            group,
+            rank,
+            incarnation,
+            reason: Reason::well_known(reasons::LEASE_EXPIRED),
+            detail,
+            source: DownSource::Coordinator,
+            at: Some(time::format_ms(at_ms)),
+            exit: None,
+            log_tail: None,
+            host,
+            pid,
+            observed_revision: Some(revision),
+            registered_revision: Some(registered_revision),
+            lease_ttl_ms,
+            group_size: Some(group_size),
+            role,
+        })
+    }
+}
+
 #[derive(Debug)]
 pub(crate) struct LiveEntry {
     pub(crate) record: RankLive,

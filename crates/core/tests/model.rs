@@ -190,30 +190,9 @@ fn set_observed(ev: &mut Event, now: i64) {
 
 /// The certificate the coordinator writes for a vanished live key (`sync.rs`).
 fn coordinator_certificate(o: Output) -> Option<PendingCertificate> {
-    let Output::LiveKeyVanished {
-        group,
-        rank,
-        incarnation,
-        revision,
-        at_ms,
-        detail,
-        host,
-        pid,
-        registered_revision,
-        lease_ttl_ms,
-        group_size,
-        role,
-    } = o
-    else {
-        return None;
-    };
-    let g = group.to_string();
-    let inc = incarnation.lease_id();
-    let v = serde_json::json!({"v":1,"group":g,"rank":rank,"incarnation":inc.to_string(),"reason":"lease_expired",
-        "detail":detail,"source":"coordinator","at":rootrank_core::time::format_ms(at_ms),"observed_revision":revision,
-        "host":host,"pid":pid,"registered_revision":registered_revision,"lease_ttl_ms":lease_ttl_ms,
-        "group_size":group_size,"role":role});
-    Some((key_down(&g, rank, inc), v.to_string()))
+    let down = o.into_coordinator_certificate()?;
+    let key = key_down(down.group.as_str(), down.rank, down.incarnation.lease_id());
+    Some((key, serde_json::to_string(&down).unwrap()))
 }
 
 /// Everything a client can read from a replica, as bytes.

@@ -83,30 +83,13 @@ impl World {
         self.outputs.extend(out);
         if self.coordinator_writes {
             for o in vanished {
-                let Output::LiveKeyVanished {
-                    group,
-                    rank: r,
-                    incarnation,
-                    revision,
-                    at_ms: at,
-                    detail,
-                    host,
-                    pid,
-                    registered_revision: registered,
-                    lease_ttl_ms,
-                    group_size,
-                    role,
-                } = o
-                else {
+                // Exactly what the coordinator writes (`sync.rs`), create-if-absent.
+                let Some(down) = o.into_coordinator_certificate() else {
                     continue;
                 };
-                let (g, inc) = (group.to_string(), incarnation.lease_id());
-                let k = key_down(&g, r, inc);
+                let k = key_down(down.group.as_str(), down.rank, down.incarnation.lease_id());
                 if !self.kv.contains_key(&k) {
-                    let v = json!({"v":1,"group":g,"rank":r,"incarnation":inc.to_string(),"reason":"lease_expired",
-                        "detail":detail,"source":"coordinator","at":time::format_ms(at),"observed_revision":revision,
-                        "host":host,"pid":pid,"registered_revision":registered,"lease_ttl_ms":lease_ttl_ms,"group_size":group_size,"role":role});
-                    self.put_raw(&k, v.to_string().into_bytes(), 0);
+                    self.put_raw(&k, serde_json::to_vec(&down).unwrap(), 0);
                 }
             }
         }
