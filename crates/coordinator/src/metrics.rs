@@ -139,14 +139,18 @@ impl Metrics {
         })
     }
 
-    /// Drops every series labelled with `group` (its counters): the index forgot the group.
-    pub fn forget_group(&self, group: &rootrank_core::GroupId) {
-        fn forget(vec: &IntCounterVec, group: &str) {
+    /// Drops every series labelled with one of `groups` (their counters): the index forgot
+    /// them. One pass over the series for a whole batch of groups.
+    pub fn forget_groups(&self, groups: &std::collections::HashSet<&str>) {
+        if groups.is_empty() {
+            return;
+        }
+        let forget = |vec: &IntCounterVec| {
             use prometheus::core::Collector;
             for family in vec.collect() {
                 for metric in family.get_metric() {
                     let labels = metric.get_label();
-                    if labels.iter().any(|l| l.name() == "group" && l.value() == group) {
+                    if labels.iter().any(|l| l.name() == "group" && groups.contains(l.value())) {
                         // By name: the exposition sorts labels, the vector's order may differ.
                         let by_name: std::collections::HashMap<&str, &str> =
                             labels.iter().map(|l| (l.name(), l.value())).collect();
@@ -154,9 +158,9 @@ impl Metrics {
                     }
                 }
             }
-        }
-        forget(&self.root_causes, group.as_str());
-        forget(&self.failure_records, group.as_str());
+        };
+        forget(&self.root_causes);
+        forget(&self.failure_records);
     }
 
     /// Renders the text exposition; gauges derived from the index are refreshed first.
@@ -218,7 +222,7 @@ mod tests {
                 .with_label_values(&[g, "1", "nixl_error", "room_record"])
                 .inc();
         }
-        metrics.forget_group(&rootrank_core::GroupId::new("a-0").unwrap());
+        metrics.forget_groups(&["a-0"].into_iter().collect());
         let text = metrics.render(&Index::new(IndexConfig::default()));
         assert!(!text.contains("group=\"a-0\""), "{text}");
         assert_eq!(text.matches("group=\"b-0\"").count(), 2, "{text}");

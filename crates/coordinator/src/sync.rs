@@ -247,6 +247,17 @@ impl IndexMirror {
     }
 
     fn handle_outputs(&mut self, outputs: Vec<Output>, live: bool) {
+        // Their series go with them: instances restart under new group names, and a counter
+        // per name ever seen would grow the registry (and every scrape) forever.
+        let forgotten: std::collections::HashSet<&str> = outputs
+            .iter()
+            .filter_map(|o| match o {
+                Output::GroupForgotten { group, .. } => Some(group.as_str()),
+                _ => None,
+            })
+            .collect();
+        self.shared.metrics.forget_groups(&forgotten);
+        drop(forgotten);
         let m = &self.shared.metrics;
         for o in outputs {
             match &o {
@@ -295,9 +306,6 @@ impl IndexMirror {
                     }
                 }
                 Output::GroupForgotten { group, .. } => {
-                    // Its series go with it: instances restart under new group names, and a
-                    // counter per name ever seen would grow the registry (and every scrape) forever.
-                    m.forget_group(group);
                     debug!(%group, "group forgotten: etcd holds nothing for it");
                 }
                 Output::Invalid { kind, key, error, .. } => {

@@ -14,6 +14,7 @@
 //! - [`time`]: RFC 3339 with milliseconds, both directions, without a clock.
 
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
+mod advice;
 pub mod fatal;
 pub mod ids;
 pub mod index;
