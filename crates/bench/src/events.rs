@@ -154,13 +154,9 @@ async fn stage(
         .iter()
         .map(|s| s.lock().map(|s| s.events).unwrap_or(0))
         .collect();
-    let published_before = ingest::published(agents);
     let mark = CpuMark::take(pids);
-    let (rate, duration) = (cfg.rate, cfg.duration);
-    let driver = {
-        let agents = agents.clone();
-        std::thread::spawn(move || ingest::drive(&agents, groups, rate, duration, 300 + salt))
-    };
+    let duration = cfg.duration;
+    let offered = ingest::Offered::start(agents, groups, cfg.rate, duration, 300 + salt);
     // Probes: one room at a time, its commit instant kept.
     let keys = Keys::new(PREFIX);
     let group = GroupId::new(PROBE_GROUP)?;
@@ -178,15 +174,13 @@ async fn stage(
         }
         tokio::time::sleep(interval).await;
     }
-    let (enqueued, dropped) = tokio::task::spawn_blocking(move || driver.join())
-        .await?
-        .map_err(|_| anyhow::anyhow!("driver thread panicked"))?;
-    let drain_deadline = Instant::now() + Duration::from_secs(30);
-    while ingest::published(agents) - published_before < enqueued && Instant::now() < drain_deadline {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    let ingest::OfferedDone {
+        enqueued,
+        dropped,
+        written,
+        ..
+    } = offered.finish(agents).await?;
     let (cpu, wall) = mark.since(pids);
-    let written = ingest::published(agents) - published_before;
     // Let the last probes reach every reader.
     tokio::time::sleep(Duration::from_secs(2)).await;
     let mut out = json!({

@@ -122,14 +122,8 @@ pub(crate) async fn stage(
     probe_rate: f64,
     salt: u64,
 ) -> anyhow::Result<Value> {
-    let published_before = published(agents);
     let mark = CpuMark::take(&rig.pids);
-    let started = Instant::now();
-    // The driver paces record_failure calls on an OS thread, as ranks' own threads would.
-    let driver = {
-        let agents = agents.clone();
-        std::thread::spawn(move || drive(&agents, groups, rate, duration, 100 + salt))
-    };
+    let offered = Offered::start(agents, groups, rate, duration, 100 + salt);
     let probes = probe_stage(
         &rig.url,
         &rig.http,
@@ -140,16 +134,13 @@ pub(crate) async fn stage(
         5_000 + salt,
     )
     .await;
-    let (enqueued, dropped) = tokio::task::spawn_blocking(move || driver.join())
-        .await?
-        .map_err(|_| anyhow::anyhow!("driver thread panicked"))?;
-    let sent_s = started.elapsed().as_secs_f64();
-    // Drain: wait (bounded) until the agents have written everything they accepted.
-    let drain_deadline = Instant::now() + Duration::from_secs(30);
-    while published(agents) - published_before < enqueued && Instant::now() < drain_deadline {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    let written = published(agents) - published_before;
+    let OfferedDone {
+        enqueued,
+        dropped,
+        written,
+        sending,
+    } = offered.finish(agents).await?;
+    let sent_s = sending.as_secs_f64();
     let (cpu, wall) = mark.since(&rig.pids);
     let (lag_ack, lag_sent, put_lat, probe_failures) = probes?;
     let achieved = written as f64 / wall;
@@ -217,6 +208,57 @@ pub(crate) async fn stop_agents(agents: Arc<Vec<Agent>>) -> anyhow::Result<()> {
 
 pub(crate) fn published(agents: &[Agent]) -> u64 {
     agents.iter().map(|a| a.stats().published.load(Ordering::Relaxed)).sum()
+}
+
+/// A load being offered: `rate` records/s for `duration`, paced on an OS thread as ranks' own
+/// threads would call `record_failure`. Started, then (whatever the stage does meanwhile)
+/// finished: the driver joined and the agents drained.
+pub(crate) struct Offered {
+    driver: std::thread::JoinHandle<(u64, u64)>,
+    published_before: u64,
+    started: Instant,
+}
+
+/// What an offered load came to.
+pub(crate) struct OfferedDone {
+    pub enqueued: u64,
+    pub dropped: u64,
+    /// Written to etcd by the agents (all of what they accepted, unless the drain timed out).
+    pub written: u64,
+    /// From the start to the driver's end (longer than asked when it could not keep pace).
+    pub sending: Duration,
+}
+
+impl Offered {
+    pub(crate) fn start(agents: &Arc<Vec<Agent>>, groups: usize, rate: u64, duration: Duration, salt: u64) -> Self {
+        let published_before = published(agents);
+        let agents = agents.clone();
+        let driver = std::thread::spawn(move || drive(&agents, groups, rate, duration, salt));
+        Offered {
+            driver,
+            published_before,
+            started: Instant::now(),
+        }
+    }
+
+    /// Joins the driver, then waits (at most 30 s) until the agents wrote what they accepted.
+    pub(crate) async fn finish(self, agents: &[Agent]) -> anyhow::Result<OfferedDone> {
+        let driver = self.driver;
+        let (enqueued, dropped) = tokio::task::spawn_blocking(move || driver.join())
+            .await?
+            .map_err(|_| anyhow::anyhow!("driver thread panicked"))?;
+        let sending = self.started.elapsed();
+        let drain_deadline = Instant::now() + Duration::from_secs(30);
+        while published(agents) - self.published_before < enqueued && Instant::now() < drain_deadline {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        Ok(OfferedDone {
+            enqueued,
+            dropped,
+            written: published(agents) - self.published_before,
+            sending,
+        })
+    }
 }
 
 /// Offers `rate` records/s for `duration`; returns (enqueued, dropped).

@@ -149,13 +149,9 @@ impl Stage {
         probe_lease: i64,
         salt: u64,
     ) -> anyhow::Result<Value> {
-        let published_before = ingest::published(agents);
         let mark = CpuMark::take(&self.pids);
-        let (rate, duration, groups) = (self.cfg.rate, self.cfg.duration, self.groups);
-        let driver = {
-            let agents = agents.clone();
-            std::thread::spawn(move || ingest::drive(&agents, groups, rate, duration, 500 + salt))
-        };
+        let duration = self.cfg.duration;
+        let offered = ingest::Offered::start(agents, self.groups, self.cfg.rate, duration, 500 + salt);
         let keys = Keys::new(PREFIX);
         let group = GroupId::new(PROBE_GROUP)?;
         let interval = Duration::from_secs_f64(1.0 / self.cfg.probe_rate.max(0.1));
@@ -179,15 +175,13 @@ impl Stage {
             }
             tokio::time::sleep(interval).await;
         }
-        let (enqueued, dropped) = tokio::task::spawn_blocking(move || driver.join())
-            .await?
-            .map_err(|_| anyhow::anyhow!("driver thread panicked"))?;
-        let drain_deadline = Instant::now() + Duration::from_secs(30);
-        while ingest::published(agents) - published_before < enqueued && Instant::now() < drain_deadline {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        let ingest::OfferedDone {
+            enqueued,
+            dropped,
+            written,
+            ..
+        } = offered.finish(agents).await?;
         let (cpu, wall) = mark.since(&self.pids);
-        let written = ingest::published(agents) - published_before;
         Ok(json!({
             "enqueued": enqueued, "dropped_queue_full": dropped, "written": written,
             "achieved_records_per_s": written as f64 / wall, "wall_s": wall,
