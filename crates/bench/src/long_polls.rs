@@ -114,7 +114,6 @@ pub async fn run(env: &Env, cfg: &LongPollsCfg) -> anyhow::Result<Value> {
         t.abort();
     }
     ingest::stop_agents(agents).await?;
-    let per_record = |s: &Value| f(&s["cpu"]["coordinator_s"]) / f(&s["written"]).max(1.0) * 1e6;
     Ok(json!({
         "setup": {
             "polls": cfg.polls, "offered_records_per_s": cfg.rate, "agents": cfg.agents, "stage_s": cfg.duration.as_secs_f64(),
@@ -124,13 +123,8 @@ pub async fn run(env: &Env, cfg: &LongPollsCfg) -> anyhow::Result<Value> {
         "quiet": quiet,
         "parked": parked,
         "parked_polls_answered_during_stage": answered_during,
-        "coordinator_us_per_record": {"quiet": per_record(&quiet), "parked": per_record(&parked)},
         "coordinator_rss_bytes_parked": rss_parked,
     }))
-}
-
-fn f(v: &Value) -> f64 {
-    v.as_f64().unwrap_or(0.0)
 }
 
 struct Stage {
@@ -185,6 +179,7 @@ impl Stage {
         Ok(json!({
             "enqueued": enqueued, "dropped_queue_full": dropped, "written": written,
             "achieved_records_per_s": written as f64 / wall, "wall_s": wall,
+            "coordinator_us_per_record": cpu[0] * 1e6 / written.max(1) as f64,
             "probe_wake": serde_json::to_value(Dist::from_durations(&wakes))?, "probes_not_resolved": missed,
             "cpu": {
                 "coordinator_s": cpu[0], "etcd_s": cpu[1], "bench_s": cpu[2],

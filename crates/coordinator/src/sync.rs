@@ -24,8 +24,10 @@ pub async fn run(config: CoordinatorConfig, shared: Arc<Shared>) {
     async move {
         let (cert_tx, cert_rx) = mpsc::unbounded_channel();
         tokio::spawn(certificate_writer(config.clone(), cert_rx).in_current_span());
-        let prefix = Keys::new(&config.index.prefix).root();
+        let keys = Keys::new(&config.index.prefix);
+        let prefix = keys.root();
         let mut mirror = IndexMirror {
+            keys,
             config: config.clone(),
             shared,
             cert_tx,
@@ -41,6 +43,7 @@ pub async fn run(config: CoordinatorConfig, shared: Arc<Shared>) {
 
 /// The coordinator's copy of etcd: the shared index, what the follower applies to it.
 struct IndexMirror {
+    keys: Keys,
     config: CoordinatorConfig,
     shared: Arc<Shared>,
     cert_tx: mpsc::UnboundedSender<Output>,
@@ -131,10 +134,9 @@ impl Mirror for IndexMirror {
         let now = rootrank_store::unix_ms();
         // Anything but a room record (a rank's live record, certificate, stall) may change
         // the answer of any room: those are few; room records are the load.
-        let keys = Keys::new(&self.config.index.prefix);
         let rank_level = events
             .iter()
-            .any(|e| !matches!(keys.parse(e.key()), Some(KeyKind::Room { .. })));
+            .any(|e| !matches!(self.keys.parse(e.key()), Some(KeyKind::Room { .. })));
         let outputs = {
             let Ok(mut idx) = self.shared.index.write() else {
                 return;
@@ -155,7 +157,7 @@ impl Mirror for IndexMirror {
         if rank_level {
             self.shared.waiters.wake_all();
         } else {
-            self.wake(&outputs);
+            self.wake_rooms(&outputs);
         }
         self.handle_outputs(outputs, true);
         let rev = self.shared.index.read().map(|i| i.revision()).unwrap_or(0);
@@ -200,7 +202,7 @@ impl Mirror for IndexMirror {
         if outputs.is_empty() {
             return;
         }
-        self.wake(&outputs);
+        self.wake_rooms(&outputs);
         self.handle_outputs(outputs, true);
         self.shared.revision_tx.send_replace(revision);
     }
@@ -227,17 +229,11 @@ fn output_revision(o: &Output) -> i64 {
 }
 
 impl IndexMirror {
-    /// Wakes the long polls these outputs concern: a room's, for its records and its
-    /// resolution; all, for a rank's change (any room may follow a rank, a group, a peer).
-    fn wake(&self, outputs: &[Output]) {
+    /// Wakes the long polls of the rooms these outputs concern (their records, their
+    /// resolution). Rank-level changes, which only rank-level keys bring, wake them all
+    /// (`apply`); a timeout only resolves rooms.
+    fn wake_rooms(&self, outputs: &[Output]) {
         let waiters = &self.shared.waiters;
-        if outputs
-            .iter()
-            .any(|o| matches!(o, Output::RankChanged { .. } | Output::LiveKeyVanished { .. }))
-        {
-            waiters.wake_all();
-            return;
-        }
         for o in outputs {
             match o {
                 Output::RecordAccepted { room, .. } | Output::RoomResolved { room, .. } => waiters.wake(*room),

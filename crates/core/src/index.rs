@@ -317,12 +317,6 @@ pub(crate) struct RoomEntry {
     pub(crate) resolved_by_victim: bool,
 }
 
-/// A group the index knows (a live record, a certificate or a room record names it). Its
-/// size and role are not kept here: they come from the records etcd holds now
-/// (`views.rs::group_shape`), so a replica that watched for a day and one started now agree.
-#[derive(Clone, Debug, Default)]
-pub(crate) struct GroupInfo {}
-
 /// A root cause for `/v1/failures`: the culprit of one room, when it resolved.
 #[derive(Clone, Debug, Serialize)]
 pub struct RootCause {
@@ -345,7 +339,11 @@ pub struct Index {
     pub(crate) config: IndexConfig,
     pub(crate) keys: Keys,
     pub(crate) revision: i64,
-    pub(crate) groups: BTreeMap<GroupId, GroupInfo>,
+    /// The groups the index knows (a live record, a certificate or a room record names
+    /// them). Their size and role are not kept: they come from the records etcd holds now
+    /// (`views.rs`: `live_shape`, `certified_shape`), so a replica that watched for a day and
+    /// one started now agree.
+    pub(crate) groups: BTreeSet<GroupId>,
     pub(crate) ranks: BTreeMap<(GroupId, Rank), RankState>,
     pub(crate) deaths: BTreeMap<(GroupId, Rank, Incarnation), Death>,
     pub(crate) rooms: HashMap<RoomId, RoomEntry>,
@@ -391,7 +389,7 @@ impl Index {
             keys: Keys::new(&config.prefix),
             config,
             revision: 0,
-            groups: BTreeMap::new(),
+            groups: BTreeSet::new(),
             ranks: BTreeMap::new(),
             deaths: BTreeMap::new(),
             rooms: HashMap::new(),
@@ -519,7 +517,7 @@ impl Index {
                     .or_default()
                     .insert((group.clone(), *rank));
             }
-            self.groups.entry(group.clone()).or_default();
+            self.groups.insert(group.clone());
             let detail = vanished_detail(
                 was,
                 "its live key vanished while this coordinator was not watching (found missing when it reloaded), with no down certificate",
@@ -771,7 +769,7 @@ impl Index {
             return;
         }
         self.group_records.remove(group);
-        if self.groups.remove(group).is_some() {
+        if self.groups.remove(group) {
             out.push(Output::GroupForgotten {
                 group: group.clone(),
                 revision,
@@ -806,7 +804,7 @@ impl Index {
         now: i64,
         out: &mut Vec<Output>,
     ) {
-        self.groups.entry(group.clone()).or_default();
+        self.groups.insert(group.clone());
         // Indexed on every put: a rank may publish its endpoints after it registered.
         for endpoint in &rec.endpoints {
             self.endpoints
@@ -1055,7 +1053,7 @@ impl Index {
                 }
             }
         }
-        self.groups.entry(group.clone()).or_default();
+        self.groups.insert(group.clone());
         self.drop_stall(&group, rank, rec.incarnation);
         // A late certificate of an older incarnation says nothing about the rank now.
         let current = self
@@ -1137,10 +1135,10 @@ impl Index {
     }
 
     fn put_room(&mut self, group: GroupId, rec: RoomFailure, revision: i64, now: i64, out: &mut Vec<Output>) {
-        let group = match self.groups.get_key_value(&group) {
-            Some((g, _)) => g.clone(), // share one allocation per group name
+        let group = match self.groups.get(&group) {
+            Some(g) => g.clone(), // share one allocation per group name
             None => {
-                self.groups.insert(group.clone(), GroupInfo::default());
+                self.groups.insert(group.clone());
                 group
             }
         };

@@ -474,14 +474,9 @@ impl Index {
         }
     }
 
-    /// Only the status of the answer: what a long poll checks on every new revision,
-    /// without building the verdict's strings.
-    pub fn verdict_status(&self, q: &VerdictQuery) -> Status {
-        self.verdict_wait(q).0
-    }
-
-    /// The verdict's status, and in how many milliseconds it may change with no new event (a
-    /// pending window ends): when a long poll has to look again if nothing wakes it sooner.
+    /// Only the status of the answer, without building the verdict's strings, and in how many
+    /// milliseconds it may change with no new event (a pending window ends): what a long poll
+    /// checks when woken, and when it has to look again if nothing wakes it sooner.
     pub fn verdict_wait(&self, q: &VerdictQuery) -> (Status, Option<i64>) {
         let decision = self.decide(q.room, q.group.as_ref(), q.asked_at_ms, q.now_ms);
         let changes_in = match decision.last() {

@@ -137,7 +137,9 @@ pub struct GroupSummary {
 impl Index {
     /// One group's ranks (`GET /v1/groups/{group}`); `None` for a group never seen.
     pub fn group(&self, group: &GroupId) -> Option<GroupView> {
-        self.groups.get(group)?;
+        if !self.groups.contains(group) {
+            return None;
+        }
         let known_max = self
             .ranks
             .range((group.clone(), 0)..=(group.clone(), Rank::MAX))
@@ -263,7 +265,7 @@ impl Index {
     /// All groups at a glance (`GET /v1/groups`).
     pub fn groups(&self) -> Vec<GroupSummary> {
         self.groups
-            .keys()
+            .iter()
             .filter_map(|g| {
                 let view = self.group(g)?;
                 let count = |k: RankStateKind| view.ranks.iter().filter(|r| r.state == k).count() as u32;
@@ -284,7 +286,7 @@ impl Index {
     /// down cleanly or never registered have no series: a drained group is not an outage.
     pub fn rank_liveness(&self) -> Vec<(GroupId, Rank, bool)> {
         let mut out = Vec::new();
-        for g in self.groups.keys() {
+        for g in &self.groups {
             if let Some(view) = self.group(g) {
                 for r in view.ranks {
                     match r.state {
@@ -456,7 +458,7 @@ impl Index {
     pub fn catch_up(&self, max: usize) -> CatchUp {
         let at = self.revision;
         let mut events = Vec::new();
-        for g in self.groups.keys() {
+        for g in &self.groups {
             let Some(view) = self.group(g) else { continue };
             for r in view.ranks {
                 let revision = match r.state {
@@ -549,6 +551,6 @@ impl Index {
 
     /// Whether a group was ever seen (live record, death or room record).
     pub fn knows_group(&self, group: &GroupId) -> bool {
-        self.groups.contains_key(group)
+        self.groups.contains(group)
     }
 }

@@ -46,6 +46,8 @@ pub async fn follow(access: &EtcdAccess, prefix: &str, readers: usize, mirror: &
     let mut follower = Follower::standard();
     let mut client: Option<Client> = None;
     let mut watch: Option<WatchStream> = None;
+    // The events of the watch response being handled, applied at its `Apply`.
+    let mut events: Vec<Event> = Vec::new();
     let mut actions: VecDeque<Action> = follower.start().into();
     loop {
         while let Some(action) = actions.pop_front() {
@@ -92,8 +94,7 @@ pub async fn follow(access: &EtcdAccess, prefix: &str, readers: usize, mirror: &
                         let _ = tokio::time::timeout(crate::PROGRESS_EVERY, stream.request_progress()).await;
                     }
                 }
-                // Events are applied where the message is read (below).
-                Action::Apply { .. } => {}
+                Action::Apply { revision } => mirror.apply(std::mem::take(&mut events), revision),
                 Action::Current => {
                     info!(revision = follower.revision(), "watching etcd; current");
                     mirror.current();
@@ -112,16 +113,16 @@ pub async fn follow(access: &EtcdAccess, prefix: &str, readers: usize, mirror: &
         tokio::select! {
             message = next_message(&mut watch) => {
                 let now = Instant::now();
-                let (input, events) = match message {
-                    Ok(Some(m)) => summarize(m),
-                    Ok(None) => (Input::StreamEnded("the watch stream ended".into()), Vec::new()),
-                    Err(e) => (Input::StreamEnded(e.to_string()), Vec::new()),
+                let input = match message {
+                    Ok(Some(m)) => {
+                        let (input, read) = summarize(m);
+                        events = read;
+                        input
+                    }
+                    Ok(None) => Input::StreamEnded("the watch stream ended".into()),
+                    Err(e) => Input::StreamEnded(e.to_string()),
                 };
-                let out = follower.handle(input, now);
-                if let Some(Action::Apply { revision }) = out.iter().find(|a| matches!(a, Action::Apply { .. })) {
-                    mirror.apply(events, *revision);
-                }
-                actions = out.into();
+                actions = follower.handle(input, now).into();
             }
             _ = sleep_until(follower.poll_timeout()) => {
                 actions = follower.handle_timeout(Instant::now()).into();

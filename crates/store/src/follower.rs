@@ -213,12 +213,18 @@ impl Follower {
                 None => self.step(Step::Load, now),
                 Some(_) => self.step(Step::Open, now),
             },
-            (Phase::Connecting, Input::ConnectFailed(why)) => self.pause(now, Step::Connect, why),
+            (Phase::Connecting, Input::ConnectFailed(_)) => {
+                self.pause(now, Step::Connect);
+                Vec::new()
+            }
             (Phase::Loading, Input::Loaded { revision }) => {
                 self.revision = Some(revision);
                 self.step(Step::Open, now)
             }
-            (Phase::Loading, Input::LoadFailed(why)) => self.pause(now, Step::Load, why),
+            (Phase::Loading, Input::LoadFailed(_)) => {
+                self.pause(now, Step::Load);
+                Vec::new()
+            }
             (Phase::Opening { .. }, Input::WatchOpened) => {
                 self.phase = Phase::Watching {
                     silence: Silence::standard(now),
@@ -246,8 +252,7 @@ impl Follower {
                 "the watch's start revision was compacted (etcd compacted to {}); reloading from a snapshot",
                 m.compact_revision
             );
-            let mut actions = vec![Action::DropWatch];
-            actions.extend(self.stale(why));
+            let mut actions = vec![Action::DropWatch, self.stale(why)];
             actions.extend(self.step(Step::Load, now));
             return actions;
         }
@@ -272,22 +277,22 @@ impl Follower {
 
     /// The watch is lost: stale, then a pause before opening a new one.
     fn lost(&mut self, now: Instant, why: String, mut actions: Vec<Action>) -> Vec<Action> {
-        actions.extend(self.stale(why.clone()));
-        actions.extend(self.pause(now, Step::Open, why));
+        actions.push(self.stale(why));
+        self.pause(now, Step::Open);
         actions
     }
 
-    fn stale(&mut self, why: String) -> Vec<Action> {
+    fn stale(&mut self, why: String) -> Action {
         self.current = false;
-        vec![Action::Stale { why }]
+        Action::Stale { why }
     }
 
-    fn pause(&mut self, now: Instant, then: Step, _why: String) -> Vec<Action> {
+    /// Waits a backoff pause before `then` (the shell already said why it failed).
+    fn pause(&mut self, now: Instant, then: Step) {
         self.phase = Phase::Paused {
             until: now + self.backoff.next_pause(),
             then,
         };
-        Vec::new()
     }
 
     fn step(&mut self, step: Step, now: Instant) -> Vec<Action> {
