@@ -48,6 +48,9 @@ pub async fn follow(access: &EtcdAccess, prefix: &str, readers: usize, mirror: &
     let mut watch: Option<WatchStream> = None;
     // The events of the watch response being handled, applied at its `Apply`.
     let mut events: Vec<Event> = Vec::new();
+    // A revision's events that etcd split into fragments, until its last fragment: a
+    // revision is applied whole or not at all.
+    let mut fragments: Vec<Event> = Vec::new();
     let mut actions: VecDeque<Action> = follower.start().into();
     loop {
         while let Some(action) = actions.pop_front() {
@@ -94,7 +97,10 @@ pub async fn follow(access: &EtcdAccess, prefix: &str, readers: usize, mirror: &
                         let _ = tokio::time::timeout(crate::PROGRESS_EVERY, stream.request_progress()).await;
                     }
                 }
-                Action::Apply { revision } => mirror.apply(std::mem::take(&mut events), revision),
+                Action::Apply { revision } => {
+                    mirror.apply(std::mem::take(&mut events), revision);
+                    actions.extend(follower.handle(Input::Applied, now()));
+                }
                 Action::Current => {
                     info!(revision = follower.revision(), "watching etcd; current");
                     mirror.current();
@@ -114,13 +120,27 @@ pub async fn follow(access: &EtcdAccess, prefix: &str, readers: usize, mirror: &
             message = next_message(&mut watch) => {
                 let now = Instant::now();
                 let input = match message {
+                    Ok(Some(m)) if m.0.fragment => {
+                        // More of this response follows: etcd is talking, nothing to apply yet.
+                        let (_, read) = summarize(m);
+                        fragments.extend(read);
+                        actions = follower.handle(Input::Applied, now).into();
+                        continue;
+                    }
                     Ok(Some(m)) => {
                         let (input, read) = summarize(m);
-                        events = read;
+                        events = std::mem::take(&mut fragments);
+                        events.extend(read);
                         input
                     }
-                    Ok(None) => Input::StreamEnded("the watch stream ended".into()),
-                    Err(e) => Input::StreamEnded(e.to_string()),
+                    Ok(None) => {
+                        fragments.clear();
+                        Input::StreamEnded("the watch stream ended".into())
+                    }
+                    Err(e) => {
+                        fragments.clear();
+                        Input::StreamEnded(e.to_string())
+                    }
                 };
                 actions = follower.handle(input, now).into();
             }
@@ -168,14 +188,28 @@ async fn load(client: &Client, prefix: &str, readers: usize, mirror: &mut impl M
 }
 
 async fn open(client: &mut Client, prefix: &str, from_revision: i64) -> Result<WatchStream, etcd_client::Error> {
+    // Fragments: one revision can hold 100,000 deletes (a lease shared by a fleet's keys
+    // revoked), tens of MB with their previous values. etcd splits such a response at its
+    // request limit instead of sending one message larger than a gRPC client accepts (4 MiB by
+    // default, which ended the stream at every attempt); the shell applies the revision once
+    // its last fragment is in. The larger limit covers an etcd run with a larger
+    // `--max-request-bytes`.
     let opts = WatchOptions::new()
         .with_prefix()
         .with_start_revision(from_revision)
         .with_prev_key()
-        .with_progress_notify();
+        .with_progress_notify()
+        .with_fragment();
     debug!(from_revision, "opening the watch");
-    client.watch(prefix, Some(opts)).await
+    client
+        .watch_client()
+        .max_decoding_message_size(WATCH_MESSAGE_LIMIT)
+        .watch(prefix, Some(opts))
+        .await
 }
+
+/// The largest watch message the follower accepts (a fragment is at most etcd's request limit).
+const WATCH_MESSAGE_LIMIT: usize = 256 * 1024 * 1024;
 
 async fn next_message(watch: &mut Option<WatchStream>) -> Result<Option<WatchResponse>, etcd_client::Error> {
     match watch {

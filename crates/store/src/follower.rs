@@ -69,6 +69,8 @@ pub enum Input {
     Message(WatchMessage),
     /// The stream ended or failed.
     StreamEnded(String),
+    /// The shell finished applying a message's events.
+    Applied,
 }
 
 /// What the follower needs to know of a watch response.
@@ -123,6 +125,9 @@ pub struct Follower {
     open_timeout: Duration,
     current: bool,
     watches_opened: u64,
+    /// etcd's revision when the watch was created, while the events up to it are still to
+    /// come: etcd may then be silent for longer (see [`crate::CATCH_UP_SILENT_LIMIT`]).
+    catching_up_to: Option<i64>,
 }
 
 impl Follower {
@@ -135,6 +140,7 @@ impl Follower {
             open_timeout,
             current: false,
             watches_opened: 0,
+            catching_up_to: None,
         }
     }
 
@@ -236,6 +242,12 @@ impl Follower {
                 silence.heard(now);
                 self.on_message(m, now)
             }
+            // The shell applied a message: the time that took was etcd talking, not silence
+            // (100,000 deaths in one revision take seconds to apply).
+            (Phase::Watching { silence }, Input::Applied) => {
+                silence.heard(now);
+                Vec::new()
+            }
             (Phase::Watching { .. }, Input::StreamEnded(why)) => self.lost(now, why, vec![Action::DropWatch]),
             // An answer the follower no longer waits for (a late one, or a message from a
             // watch already given up): nothing to do.
@@ -261,10 +273,34 @@ impl Follower {
         }
         let mut actions = Vec::new();
         let before = self.revision.unwrap_or(0);
-        // A progress notification (no events) also says the copy is current to its revision.
-        let revision = m.last_event_revision.unwrap_or(m.header_revision).max(before);
-        self.revision = Some(revision);
-        actions.push(Action::Apply { revision });
+        // Only events move the revision a new watch resumes from. A message without events
+        // never does: the watch's `created` answer carries etcd's current revision while the
+        // events up to it may still be on their way, and etcd 3.4 answers a requested
+        // progress notification with its current revision at once, ahead of events still in
+        // the stream (etcd-io/etcd#15220). Resuming past either would skip those events for
+        // good (a mass lease expiry: thousands of deaths in one revision).
+        if m.created && m.header_revision > before {
+            self.catching_up_to = Some(m.header_revision);
+        }
+        match m.last_event_revision {
+            Some(last) => {
+                let revision = last.max(before);
+                self.revision = Some(revision);
+                actions.push(Action::Apply { revision });
+            }
+            // A progress notification: etcd is there. The copy's own revision stays.
+            None if !m.created => actions.push(Action::Apply { revision: before }),
+            None => {}
+        }
+        if self.catching_up_to.is_some_and(|to| self.revision.unwrap_or(0) >= to) {
+            self.catching_up_to = None;
+        }
+        if let Phase::Watching { silence } = &mut self.phase {
+            silence.set_limit(match self.catching_up_to {
+                Some(_) => crate::CATCH_UP_SILENT_LIMIT,
+                None => crate::SILENT_LIMIT,
+            });
+        }
         if m.created {
             self.backoff.reset();
             if !self.current {
@@ -308,6 +344,7 @@ impl Follower {
             Step::Open => match self.revision {
                 None => self.step(Step::Load, now),
                 Some(revision) => {
+                    self.catching_up_to = None;
                     self.phase = Phase::Opening {
                         deadline: now + self.open_timeout,
                     };
@@ -379,10 +416,7 @@ mod tests {
         );
         assert!(f.handle(Input::WatchOpened, now).is_empty());
         assert!(!f.is_current(), "current only once etcd confirms the watch");
-        assert_eq!(
-            f.handle(created(rev), now),
-            vec![Action::Apply { revision: rev }, Action::Current]
-        );
+        assert_eq!(f.handle(created(rev), now), vec![Action::Current]);
         f
     }
 
@@ -393,17 +427,58 @@ mod tests {
         assert_eq!(f.state(), FollowerState::Watching);
         assert_eq!(f.handle(events(12), now), vec![Action::Apply { revision: 12 }]);
         assert_eq!(f.revision(), Some(12));
-        // A progress notification moves the revision too, never back.
+        // A progress notification never moves the revision: etcd 3.4 answers it ahead of
+        // events still in the stream.
         let progress = Input::Message(WatchMessage {
             header_revision: 15,
             ..WatchMessage::default()
         });
-        assert_eq!(f.handle(progress, now), vec![Action::Apply { revision: 15 }]);
-        let old = Input::Message(WatchMessage {
-            header_revision: 3,
+        assert_eq!(f.handle(progress, now), vec![Action::Apply { revision: 12 }]);
+        assert_eq!(f.revision(), Some(12));
+    }
+
+    #[test]
+    fn a_watch_lost_mid_batch_resumes_after_the_last_event_applied_never_after_an_empty_message() {
+        let mut now = Instant::now();
+        let mut f = follower();
+        f.start();
+        f.handle(Input::Connected, now);
+        f.handle(Input::Loaded { revision: 10 }, now);
+        f.handle(Input::WatchOpened, now);
+        // etcd is at 500 when the watch is created; the events 11..=500 are still to come.
+        f.handle(created(500), now);
+        assert_eq!(f.revision(), Some(10), "the created answer moves nothing");
+        assert_eq!(f.handle(events(120), now), vec![Action::Apply { revision: 120 }]);
+        // A requested progress notification ahead of the events in flight (etcd 3.4).
+        let progress = Input::Message(WatchMessage {
+            header_revision: 500,
             ..WatchMessage::default()
         });
-        assert_eq!(f.handle(old, now), vec![Action::Apply { revision: 15 }]);
+        assert_eq!(f.handle(progress, now), vec![Action::Apply { revision: 120 }]);
+        f.handle(Input::StreamEnded("reset".into()), now);
+        assert_eq!(
+            run_timeouts(&mut f, &mut now),
+            vec![Action::OpenWatch {
+                from_revision: 121,
+                restart: true
+            }]
+        );
+    }
+
+    #[test]
+    fn applying_a_long_batch_is_not_silence() {
+        let start = Instant::now();
+        let mut f = watching(start, 10);
+        f.handle(events(11), start);
+        // Applying took 10 s; etcd sent the whole batch meanwhile.
+        let after = start + Duration::from_secs(10);
+        assert!(f.handle(Input::Applied, after).is_empty());
+        let actions = f.handle_timeout(after);
+        assert!(
+            !actions.iter().any(|a| matches!(a, Action::Stale { .. })),
+            "{actions:?}"
+        );
+        assert!(f.is_current());
     }
 
     #[test]
@@ -425,10 +500,7 @@ mod tests {
         );
         assert!(now > before, "a pause before the new watch");
         f.handle(Input::WatchOpened, now);
-        assert_eq!(
-            f.handle(created(20), now),
-            vec![Action::Apply { revision: 20 }, Action::Current]
-        );
+        assert_eq!(f.handle(created(20), now), vec![Action::Current]);
     }
 
     #[test]

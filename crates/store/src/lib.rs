@@ -29,7 +29,7 @@ pub use access::{AccessError, EtcdAccess, EtcdCredentialFiles};
 pub use follow::{follow, Mirror};
 pub use follower::Follower;
 pub use retained::{LazyClient, RefusalSink, Retained, RetainedWriter, WriteError, Written};
-pub use silence::{Silence, SilenceAction, PROGRESS_EVERY, SILENT_LIMIT};
+pub use silence::{Silence, SilenceAction, CATCH_UP_SILENT_LIMIT, PROGRESS_EVERY, SILENT_LIMIT};
 
 pub use snapshot::{put_event, snapshot_pages, Plan, SnapshotStats, DEFAULT_READERS, PAGE};
 

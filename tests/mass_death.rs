@@ -1,0 +1,153 @@
+//! A mass death on real etcd (issue 28, finding 1): 16,000 live keys on one lease (a fleet's
+//! ranks, or a node-watch's hosts) revoked under read load is one etcd revision with 16,000
+//! deletes, several MB with their previous values. The coordinator must see every one of them
+//! down, two replicas must agree at the same revision, and every death must be on record in
+//! etcd (its `lease_expired` certificate) so that restarting both changes nothing.
+//!
+//! Before the fix the whole revision came as one watch message over the gRPC client's 4 MiB
+//! limit, which ended the stream at every attempt, and the follower resumed after the
+//! revision the watch's `created` answer carried: the deaths were skipped for good.
+
+use std::time::Duration;
+
+use rootrank_store::etcd_client::{self, GetOptions, PutOptions, Txn, TxnOp};
+use rootrank_testkit::{eventually, Coordinator, Etcd};
+use serde_json::Value;
+
+const RANKS: u32 = 16_000;
+const GROUP_SIZE: u32 = 8;
+const T: Duration = Duration::from_secs(120);
+const PREFIX: &str = "/rootrank/v1";
+
+/// (live, down) over every group, and the revision the answer reflects.
+async fn totals(c: &Coordinator) -> Option<(u64, u64, i64)> {
+    let (status, v) = c.get("/v1/groups").await.ok()?;
+    if status != 200 {
+        return None;
+    }
+    let groups = v["groups"].as_array()?;
+    let sum = |field: &str| groups.iter().map(|g| g[field].as_u64().unwrap_or(0)).sum::<u64>();
+    Some((sum("live"), sum("down"), v["revision"].as_i64().unwrap_or(0)))
+}
+
+async fn groups_body(c: &Coordinator) -> Value {
+    let (status, mut v) = c.get("/v1/groups").await.expect("coordinator answers");
+    assert_eq!(status, 200, "{v}");
+    if let Some(o) = v.as_object_mut() {
+        o.remove("revision");
+    }
+    v
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sixteen_thousand_keys_on_one_lease_revoked_under_read_load_are_all_down_on_both_replicas_and_after_restarts() {
+    let etcd = Etcd::start().unwrap();
+    let mut a = Coordinator::start(&etcd.endpoint(), &[]).await.unwrap();
+    let mut b = Coordinator::start(&etcd.endpoint(), &[]).await.unwrap();
+    let mut client = etcd_client::Client::connect([etcd.endpoint()], None).await.unwrap();
+    let lease = client.lease_grant(60, None).await.unwrap().id();
+    let now = rootrank_core::time::format_ms(rootrank_store::unix_ms());
+    let ids: Vec<u32> = (0..RANKS).collect();
+    for chunk in ids.chunks(128) {
+        let ops: Vec<TxnOp> = chunk
+            .iter()
+            .map(|i| {
+                let (group, rank) = (format!("fleet-{}", i / GROUP_SIZE), i % GROUP_SIZE);
+                let value = serde_json::json!({
+                    "v": 1, "group": group, "rank": rank, "group_size": GROUP_SIZE,
+                    "role": "prefill", "host": format!("host-{}", i / GROUP_SIZE), "pid": 1000 + i,
+                    "boot_id": "00000000-0000-0000-0000-000000000000", "started_at": now,
+                    "lease_ttl_ms": 5000, "agent": "rootrank-agent/test", "nixl_agent": null, "gpu": null,
+                });
+                TxnOp::put(
+                    format!("{PREFIX}/groups/{group}/ranks/{rank}/live"),
+                    value.to_string(),
+                    Some(PutOptions::new().with_lease(lease)),
+                )
+            })
+            .collect();
+        client.txn(Txn::new().and_then(ops)).await.unwrap();
+    }
+    for c in [&a, &b] {
+        eventually(T, "every rank live", || async {
+            totals(c).await.filter(|t| t.0 == RANKS as u64).map(|_| ())
+        })
+        .await
+        .unwrap();
+    }
+
+    // Read load on etcd, as operators' `etcdctl get --prefix --keys-only` loops give it.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut load = Vec::new();
+    for _ in 0..3 {
+        let (mut c, stop) = (client.clone(), stop.clone());
+        load.push(tokio::spawn(async move {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let _ = c
+                    .get(PREFIX, Some(GetOptions::new().with_prefix().with_keys_only()))
+                    .await;
+            }
+        }));
+    }
+    let revoked = client.lease_revoke(lease).await.unwrap();
+    let deletes_revision = revoked.header().map(|h| h.revision()).unwrap();
+
+    for c in [&a, &b] {
+        let seen = eventually(T, "every rank down", || async {
+            totals(c).await.filter(|t| t.0 == 0 && t.1 == RANKS as u64)
+        })
+        .await;
+        let Ok((_, down, revision)) = seen else {
+            let log = c.log_text();
+            let tail: String = log.lines().rev().take(30).collect::<Vec<_>>().join("\n");
+            panic!(
+                "not every rank down: {:?}; log (newest first):\n{tail}",
+                totals(c).await
+            );
+        };
+        assert!(revision >= deletes_revision, "{revision} < {deletes_revision}");
+        assert_eq!(down, RANKS as u64);
+        let (status, health) = c.get("/v1/health?group=fleet-0").await.unwrap();
+        assert_eq!(status, 503, "a dead group is unhealthy: {health}");
+        assert_eq!(c.get("/readyz").await.unwrap().0, 200, "current again");
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for l in load {
+        let _ = l.await;
+    }
+    // Byte for byte the same answer once both are past the deletes.
+    assert_eq!(groups_body(&a).await, groups_body(&b).await);
+
+    // Every death on record in etcd, so nothing depends on a replica's memory.
+    eventually(T, "every death certified in etcd", || {
+        let mut client = client.clone();
+        async move {
+            let r = client
+                .get(
+                    format!("{PREFIX}/groups/"),
+                    Some(GetOptions::new().with_prefix().with_keys_only()),
+                )
+                .await
+                .ok()?;
+            let certified = r
+                .kvs()
+                .iter()
+                .filter(|kv| String::from_utf8_lossy(kv.key()).contains("/down/"))
+                .count();
+            (certified == RANKS as usize).then_some(())
+        }
+    })
+    .await
+    .unwrap();
+
+    a.restart().await.unwrap();
+    b.restart().await.unwrap();
+    for c in [&a, &b] {
+        eventually(T, "still every rank down after a restart", || async {
+            totals(c).await.filter(|t| t.0 == 0 && t.1 == RANKS as u64).map(|_| ())
+        })
+        .await
+        .unwrap();
+    }
+    assert_eq!(groups_body(&a).await, groups_body(&b).await);
+}
