@@ -130,7 +130,7 @@ impl Mirror for IndexMirror {
         shared.waiters.wake_all();
     }
 
-    fn apply(&mut self, events: Vec<Event>, revision: i64) {
+    fn apply(&mut self, events: Vec<Event>) {
         let now = rootrank_store::unix_ms();
         // Anything but a room record (a rank's live record, certificate, stall) may change
         // the answer of any room: those are few; room records are the load.
@@ -141,14 +141,9 @@ impl Mirror for IndexMirror {
             let Ok(mut idx) = self.shared.index.write() else {
                 return;
             };
-            let empty = events.is_empty();
             let mut outputs = Vec::new();
             for event in events {
                 outputs.extend(idx.apply(event));
-            }
-            // A progress notification (no events) also says the index is current to here.
-            if empty && revision > 0 {
-                idx.advance_to(revision);
             }
             // With the index at this batch, so a resolved room's event carries its verdict.
             self.shared.events.append(&idx, &outputs, now);

@@ -187,7 +187,7 @@ impl Mirror for RankMirror {
         });
     }
 
-    fn apply(&mut self, events: Vec<Event>, _revision: i64) {
+    fn apply(&mut self, events: Vec<Event>) {
         for event in events {
             let msg = match event {
                 Event::Put {

@@ -20,9 +20,8 @@ pub trait Mirror {
     fn snapshot_page(&mut self, page: Vec<Event>);
     /// The snapshot is complete at `revision`: the fresh state replaces the old.
     fn snapshot_finished(&mut self, stats: &SnapshotStats);
-    /// One watch response's events, in revision order (none for a progress notification);
-    /// the copy is current to `revision`.
-    fn apply(&mut self, events: Vec<Event>, revision: i64);
+    /// The events of one or more whole revisions, in revision order.
+    fn apply(&mut self, events: Vec<Event>);
     /// etcd confirmed a new watch: the copy is current.
     fn current(&mut self) {}
     /// The watch is lost (or a new one could not be opened): the copy is stale.
@@ -46,11 +45,9 @@ pub async fn follow(access: &EtcdAccess, prefix: &str, readers: usize, mirror: &
     let mut follower = Follower::standard();
     let mut client: Option<Client> = None;
     let mut watch: Option<WatchStream> = None;
-    // The events of the watch response being handled, applied at its `Apply`.
+    // The events received and not applied yet: those of the response being handled, after
+    // the fragments before it; applied at the follower's `Apply`, dropped with the watch.
     let mut events: Vec<Event> = Vec::new();
-    // A revision's events that etcd split into fragments, until its last fragment: a
-    // revision is applied whole or not at all.
-    let mut fragments: Vec<Event> = Vec::new();
     let mut actions: VecDeque<Action> = follower.start().into();
     loop {
         while let Some(action) = actions.pop_front() {
@@ -91,14 +88,17 @@ pub async fn follow(access: &EtcdAccess, prefix: &str, readers: usize, mirror: &
                     };
                     actions.extend(follower.handle(input, now()));
                 }
-                Action::DropWatch => watch = None,
+                Action::DropWatch => {
+                    watch = None;
+                    events.clear();
+                }
                 Action::RequestProgress => {
                     if let Some(stream) = &mut watch {
                         let _ = tokio::time::timeout(crate::PROGRESS_EVERY, stream.request_progress()).await;
                     }
                 }
-                Action::Apply { revision } => {
-                    mirror.apply(std::mem::take(&mut events), revision);
+                Action::Apply { .. } => {
+                    mirror.apply(std::mem::take(&mut events));
                     actions.extend(follower.handle(Input::Applied, now()));
                 }
                 Action::Current => {
@@ -120,27 +120,13 @@ pub async fn follow(access: &EtcdAccess, prefix: &str, readers: usize, mirror: &
             message = next_message(&mut watch) => {
                 let now = Instant::now();
                 let input = match message {
-                    Ok(Some(m)) if m.0.fragment => {
-                        // More of this response follows: etcd is talking, nothing to apply yet.
-                        let (_, read) = summarize(m);
-                        fragments.extend(read);
-                        actions = follower.handle(Input::Applied, now).into();
-                        continue;
-                    }
                     Ok(Some(m)) => {
                         let (input, read) = summarize(m);
-                        events = std::mem::take(&mut fragments);
                         events.extend(read);
                         input
                     }
-                    Ok(None) => {
-                        fragments.clear();
-                        Input::StreamEnded("the watch stream ended".into())
-                    }
-                    Err(e) => {
-                        fragments.clear();
-                        Input::StreamEnded(e.to_string())
-                    }
+                    Ok(None) => Input::StreamEnded("the watch stream ended".into()),
+                    Err(e) => Input::StreamEnded(e.to_string()),
                 };
                 actions = follower.handle(input, now).into();
             }
@@ -191,7 +177,7 @@ async fn open(client: &mut Client, prefix: &str, from_revision: i64) -> Result<W
     // Fragments: one revision can hold 100,000 deletes (a lease shared by a fleet's keys
     // revoked), tens of MB with their previous values. etcd splits such a response at its
     // request limit instead of sending one message larger than a gRPC client accepts (4 MiB by
-    // default, which ended the stream at every attempt); the shell applies the revision once
+    // default, which ended the stream at every attempt); the follower applies the revision once
     // its last fragment is in. The larger limit covers an etcd run with a larger
     // `--max-request-bytes`.
     let opts = WatchOptions::new()
@@ -241,6 +227,7 @@ fn summarize(m: WatchResponse) -> (Input, Vec<Event>) {
         compact_revision: m.compact_revision(),
         canceled: m.canceled().then(|| m.cancel_reason().to_string()),
         last_event_revision: last,
+        fragment: m.0.fragment,
         header_revision: m.header().map_or(0, |h| h.revision()),
     };
     (Input::Message(summary), events)

@@ -42,8 +42,8 @@ pub enum Action {
     OpenWatch { from_revision: i64, restart: bool },
     /// Drop the watch stream (it is lost or given up).
     DropWatch,
-    /// Apply the message's events (none for a progress notification), and consider the copy
-    /// current to `revision`.
+    /// Apply the events received since the last `Apply` (a revision etcd split into
+    /// fragments comes whole); the copy is then current to `revision`.
     Apply { revision: i64 },
     /// Ask etcd for a progress notification on the watch.
     RequestProgress,
@@ -84,6 +84,9 @@ pub struct WatchMessage {
     pub canceled: Option<String>,
     /// The highest `mod_revision` among the events, if any.
     pub last_event_revision: Option<i64>,
+    /// More of this response follows (etcd split a large revision): nothing is applied
+    /// until its last fragment.
+    pub fragment: bool,
     /// The response header's revision (etcd's current revision for a progress notification).
     pub header_revision: i64,
 }
@@ -282,15 +285,11 @@ impl Follower {
         if m.created && m.header_revision > before {
             self.catching_up_to = Some(m.header_revision);
         }
-        match m.last_event_revision {
-            Some(last) => {
-                let revision = last.max(before);
-                self.revision = Some(revision);
-                actions.push(Action::Apply { revision });
-            }
-            // A progress notification: etcd is there. The copy's own revision stays.
-            None if !m.created => actions.push(Action::Apply { revision: before }),
-            None => {}
+        // A progress notification only says etcd is there (the message was heard).
+        if let Some(last) = m.last_event_revision.filter(|_| !m.fragment) {
+            let revision = last.max(before);
+            self.revision = Some(revision);
+            actions.push(Action::Apply { revision });
         }
         if self.catching_up_to.is_some_and(|to| self.revision.unwrap_or(0) >= to) {
             self.catching_up_to = None;
@@ -433,8 +432,24 @@ mod tests {
             header_revision: 15,
             ..WatchMessage::default()
         });
-        assert_eq!(f.handle(progress, now), vec![Action::Apply { revision: 12 }]);
+        assert!(f.handle(progress, now).is_empty());
         assert_eq!(f.revision(), Some(12));
+    }
+
+    #[test]
+    fn a_revision_split_into_fragments_is_applied_once_whole() {
+        let now = Instant::now();
+        let mut f = watching(now, 10);
+        let fragment = Input::Message(WatchMessage {
+            last_event_revision: Some(11),
+            header_revision: 11,
+            fragment: true,
+            ..WatchMessage::default()
+        });
+        assert!(f.handle(fragment.clone(), now).is_empty());
+        assert!(f.handle(fragment, now).is_empty());
+        assert_eq!(f.revision(), Some(10), "not applied before its last fragment");
+        assert_eq!(f.handle(events(11), now), vec![Action::Apply { revision: 11 }]);
     }
 
     #[test]
@@ -454,7 +469,7 @@ mod tests {
             header_revision: 500,
             ..WatchMessage::default()
         });
-        assert_eq!(f.handle(progress, now), vec![Action::Apply { revision: 120 }]);
+        assert!(f.handle(progress, now).is_empty());
         f.handle(Input::StreamEnded("reset".into()), now);
         assert_eq!(
             run_timeouts(&mut f, &mut now),
