@@ -508,13 +508,24 @@ async fn https_and_a_bearer_token_on_the_coordinator() {
     let (code, out) = why(&["--token-file", &token_file.display().to_string()]);
     assert_eq!(code, Some(0), "{out}");
     assert!(out.contains("https-0 rank 0"), "{out}");
-    // Plain HTTP to the HTTPS port gets nothing, and the server carries on.
+    // The scheme is case-insensitive (RFC 7235).
+    for scheme in ["BEARER", "bearer", "bEaReR"] {
+        let auth = format!("{scheme} t0ken-for-operators").into_bytes();
+        assert_eq!(get("/v1/groups", Some(auth)).await.unwrap().0, 200, "{scheme}");
+    }
+    // Plain HTTP to the HTTPS port is told to use https (it used to be a bare close), no data
+    // is served, and the server carries on.
     let plain = rootrank_tls::http_client(None).unwrap().build().unwrap();
-    assert!(plain
+    let r = plain
         .get(format!("http://127.0.0.1:{port}/v1/groups"))
+        .header("authorization", "Bearer t0ken-for-operators")
         .send()
         .await
-        .is_err());
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 400);
+    let text = r.text().await.unwrap();
+    assert!(text.contains("use https://"), "{text}");
+    assert!(!text.contains("https-0"), "{text}");
     assert_eq!(get("/readyz", None).await.unwrap().0, 200);
 }
 

@@ -75,8 +75,11 @@ pub async fn serve(
                 None => serve_connection(TokioIo::new(stream), &http1, app, stop, peer).await,
                 // The handshake is bounded like a request head: a client that opens TLS and
                 // says nothing holds its slot no longer than a slow plain one.
-                Some(acceptor) => match tokio::time::timeout(handshake_within, acceptor.accept(stream)).await {
-                    Ok(Ok(tls_stream)) => serve_connection(TokioIo::new(tls_stream), &http1, app, stop, peer).await,
+                Some(acceptor) => match tokio::time::timeout(handshake_within, handshake(acceptor, stream)).await {
+                    Ok(Ok(Some(tls_stream))) => {
+                        serve_connection(TokioIo::new(tls_stream), &http1, app, stop, peer).await
+                    }
+                    Ok(Ok(None)) => debug!(%peer, "plain HTTP on the HTTPS port: answered 400"),
                     Ok(Err(e)) => debug!(%peer, error = %e, "TLS handshake failed"),
                     Err(_) => debug!(%peer, "TLS handshake timed out"),
                 },
@@ -88,6 +91,42 @@ pub async fn serve(
     let _ = stop_tx.send(true);
     // Every connection gives its slot back when it ends; wait (bounded) for all of them.
     let _ = tokio::time::timeout(DRAIN + Duration::from_secs(1), slots.acquire_many(max as u32)).await;
+}
+
+/// The answer to a plain HTTP request on the HTTPS port: without it the client sees a closed
+/// connection and no reason (curl: "Empty reply from server").
+const USE_HTTPS: &str =
+    r#"{"error":{"code":"use_https","message":"this port speaks HTTPS: use https:// instead of http://"}}"#;
+
+/// The TLS handshake, or `None` when the client spoke plain HTTP (answered [`USE_HTTPS`]). A
+/// TLS client's first byte is a handshake record (0x16); an HTTP request starts with a method
+/// in capitals.
+async fn handshake(
+    acceptor: tokio_rustls::TlsAcceptor,
+    mut stream: tokio::net::TcpStream,
+) -> std::io::Result<Option<tokio_rustls::server::TlsStream<tokio::net::TcpStream>>> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut first = [0u8; 1];
+    if stream.peek(&mut first).await? == 1 && first[0].is_ascii_uppercase() {
+        // Read the request head first: closing with unread bytes resets the connection, and
+        // the client would see the reset instead of the answer.
+        let mut head = Vec::new();
+        let mut buf = [0u8; 2048];
+        while head.len() < 16 * 1024 && !head.windows(4).any(|w| w == b"\r\n\r\n") {
+            match stream.read(&mut buf).await? {
+                0 => break,
+                n => head.extend_from_slice(&buf[..n]),
+            }
+        }
+        let answer = format!(
+            "HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\nconnection: close\r\ncontent-length: {}\r\n\r\n{USE_HTTPS}",
+            USE_HTTPS.len()
+        );
+        stream.write_all(answer.as_bytes()).await?;
+        let _ = stream.shutdown().await;
+        return Ok(None);
+    }
+    acceptor.accept(stream).await.map(Some)
 }
 
 /// One connection until it ends, or until shutdown asks it to finish its requests (bounded by

@@ -132,6 +132,7 @@ impl Mirror for IndexMirror {
 
     fn apply(&mut self, events: Vec<Event>) {
         let now = rootrank_store::unix_ms();
+        let (started, n) = (Instant::now(), events.len());
         // Anything but a room record (a rank's live record, certificate, stall) may change
         // the answer of any room: those are few; room records are the load.
         let rank_level = events
@@ -157,6 +158,14 @@ impl Mirror for IndexMirror {
         self.handle_outputs(outputs, true);
         let rev = self.shared.index.read().map(|i| i.revision()).unwrap_or(0);
         self.shared.revision_tx.send_replace(rev);
+        if n >= 1024 {
+            debug!(
+                events = n,
+                revision = rev,
+                apply_s = started.elapsed().as_secs_f64(),
+                "applied a large batch"
+            );
+        }
     }
 
     fn current(&mut self) {

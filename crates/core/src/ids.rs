@@ -302,8 +302,10 @@ impl<'de> Deserialize<'de> for Reason {
 }
 
 /// Digits only: no sign, no spaces, no leading `+` (which `str::parse` would accept).
+/// Canonical decimal: digits only, no leading zero (`02009` is not room 2009: a key written
+/// so is not one rootrank wrote, and two spellings of one room would be two keys).
 fn is_plain_decimal(s: &str) -> bool {
-    !s.is_empty() && s.len() <= 20 && s.bytes().all(|c| c.is_ascii_digit())
+    !s.is_empty() && s.len() <= 20 && s.bytes().all(|c| c.is_ascii_digit()) && (s.len() == 1 || !s.starts_with('0'))
 }
 
 /// Errors echo the bad input, but never more than a screenful of it.
@@ -356,6 +358,8 @@ mod tests {
             "18446744073709551616",
             "abc",
             "0x10",
+            "02009",
+            "00",
         ] {
             assert!(RoomId::parse(bad).is_err(), "{bad}");
         }
@@ -376,6 +380,8 @@ mod tests {
         assert_eq!(parse_rank("3"), Ok(3));
         assert!(parse_rank("4096").is_err());
         assert!(parse_rank("-1").is_err());
+        assert!(parse_rank("03").is_err());
+        assert_eq!(parse_rank("0"), Ok(0));
         assert!(check_rank(3, 4).is_ok());
         assert!(check_rank(4, 4).is_err());
         assert!(check_rank(0, 0).is_err());

@@ -26,6 +26,22 @@ pub enum RecordError {
     KeyMismatch(String),
     #[error("lease_ttl_ms {0} is out of range (1..={MAX_LEASE_TTL_MS}); the rank's agent wrote a TTL no lease has")]
     LeaseTtl(u64),
+    #[error(
+        "at {0:?} is not an RFC 3339 time (e.g. 2026-12-06T03:04:05.678Z); the writer's clock formatting is broken"
+    )]
+    At(String),
+}
+
+/// `at` is for people, but a writer that cannot format a time is not trusted with the rest.
+fn check_at(at: Option<&str>) -> Result<(), RecordError> {
+    match at {
+        Some(text) if crate::time::parse_ms(text).is_none() => {
+            let mut shown = text.to_string();
+            truncate_utf8(&mut shown, 80);
+            Err(RecordError::At(shown))
+        }
+        _ => Ok(()),
+    }
 }
 
 /// The longest liveness lease a live record may claim (one day). The verdict windows add
@@ -271,6 +287,7 @@ impl RankLive {
 impl RoomFailure {
     pub fn parse(raw: &[u8]) -> Result<Self, RecordError> {
         let mut r: RoomFailure = parse_versioned(raw, |r: &RoomFailure| r.v)?;
+        check_at(r.at.as_deref())?;
         // An over-long detail from some other writer is cut, not rejected: the failure
         // itself is the information that matters.
         truncate_utf8(&mut r.detail, MAX_DETAIL_BYTES);
@@ -281,6 +298,7 @@ impl RoomFailure {
 impl RankDown {
     pub fn parse(raw: &[u8]) -> Result<Self, RecordError> {
         let mut r: RankDown = parse_versioned(raw, |r: &RankDown| r.v)?;
+        check_at(r.at.as_deref())?;
         truncate_utf8(&mut r.detail, MAX_DETAIL_BYTES);
         if let Some(tail) = r.log_tail.as_mut() {
             clamp_log_tail(tail);
@@ -354,6 +372,15 @@ mod tests {
                 .is_err()
         );
         assert!(RoomFailure::parse(b"not json").is_err());
+        // An `at` that is no time is refused (it used to become "now"); none at all is fine.
+        let at =
+            |at: &str| format!(r#"{{"v":1,"group":"g","rank":0,"room":"1","origin":"local","reason":"x","at":{at}}}"#);
+        assert!(matches!(
+            RoomFailure::parse(at(r#""yesterday""#).as_bytes()),
+            Err(RecordError::At(_))
+        ));
+        assert!(RoomFailure::parse(at(r#""2026-12-06T03:04:05Z""#).as_bytes()).is_ok());
+        assert!(RoomFailure::parse(at("null").as_bytes()).is_ok());
         assert!(RankLive::parse(br#"{"v":1,"group":"g","rank":4,"group_size":4}"#).is_err());
         assert!(RankLive::parse(br#"{"v":1,"group":"g","rank":3,"group_size":4}"#).is_ok());
         // A TTL no lease has would overflow the verdict's windows: refused at parse.

@@ -155,6 +155,10 @@ pub struct Evidence {
     pub reason: Reason,
     pub at: String,
     pub revision: i64,
+    /// v4: on a death that resolved a room no rank recorded anywhere (asked with `group=`):
+    /// the culprit is inferred from the death alone, not read from a record of the room.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub inferred_from_death: bool,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -497,13 +501,16 @@ impl Index {
         let mut evidence = Vec::new();
         let mut victims = Vec::new();
         let mut groups: BTreeSet<GroupId> = scope.groups.clone();
-        self.gather(&scope, &deaths, &mut evidence, &mut victims);
+        // No rank recorded the room anywhere: a death names the culprit by inference only.
+        let unrecorded = self.rooms.get(&q.room).is_none_or(|e| e.records.is_empty());
+        let inferred = unrecorded && matches!(decision.last(), Decision::Death { .. });
+        self.gather(&scope, &deaths, inferred, &mut evidence, &mut victims);
         // Rule 7: the peer groups the answer came from are shown as evidence too.
         let mut d = &decision;
         while let Decision::Peer { group, inner } = d {
             let peer_scope = self.scope(q.room, Some(group), q.asked_at_ms);
             let peer_deaths = self.counted_deaths(&peer_scope);
-            self.gather(&peer_scope, &peer_deaths, &mut evidence, &mut victims);
+            self.gather(&peer_scope, &peer_deaths, inferred, &mut evidence, &mut victims);
             groups.insert(group.clone());
             d = inner;
         }
@@ -514,6 +521,12 @@ impl Index {
         let cause = culprit.as_ref().and_then(|c| self.cause(q.room, &scope, c));
         let (status, action) = decision.status_action();
         let mut explain = explain(&decision, culprit.as_ref(), &scope, &victims, q.room);
+        if inferred {
+            explain = format!(
+                "No rank recorded room {}: inferred from a death in the group around the query, not from a record of the room (a mistyped room gets this answer too). {explain}",
+                q.room
+            );
+        }
         if culprit.is_none() {
             // v3: a wedged rank fails nothing and dies of nothing; say so while nothing else is known.
             explain.push_str(&self.stall_note(&groups));
@@ -565,6 +578,7 @@ impl Index {
         &self,
         scope: &Scope<'_>,
         deaths: &[(&(GroupId, Rank, Incarnation), &Death)],
+        inferred: bool,
         evidence: &mut Vec<Evidence>,
         victims: &mut Vec<Victim>,
     ) {
@@ -576,6 +590,7 @@ impl Index {
             reason: r.reason.clone(),
             at: time::format_ms(r.at_ms),
             revision: r.revision,
+            inferred_from_death: false,
         }));
         evidence.extend(deaths.iter().map(|((g, rank, _), d)| Evidence {
             group: g.clone(),
@@ -585,6 +600,7 @@ impl Index {
             reason: d.reason.clone(),
             at: time::format_ms(d.at_ms),
             revision: d.revision,
+            inferred_from_death: inferred,
         }));
         victims.extend(deaths.iter().filter(|(_, d)| d.victim).map(|((g, rank, _), d)| Victim {
             group: g.clone(),

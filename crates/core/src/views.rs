@@ -335,7 +335,8 @@ impl Index {
 
     /// v3 `GET /v1/health`: the ranks of `groups` that are down, missing, stalled or gone
     /// (shut down); empty when every rank of every named group is live and advancing. A group
-    /// never seen is one unhealthy entry (rank 0, missing): a probe must not pass on a typo.
+    /// never seen, or seen with no registered rank, is one unhealthy entry (rank 0, missing):
+    /// a probe must not pass on a typo, nor on a group nobody knows to be alive.
     pub fn unhealthy(&self, groups: &[GroupId]) -> Vec<UnhealthyRank> {
         let mut out = Vec::new();
         for g in groups {
@@ -349,6 +350,18 @@ impl Index {
                 });
                 continue;
             };
+            if view.ranks.is_empty() {
+                // Known only from room records (or certificates with no size): no rank of it is
+                // known to be alive, so it is not healthy.
+                out.push(UnhealthyRank {
+                    group: g.clone(),
+                    rank: 0,
+                    state: RankStateKind::Missing,
+                    reason: "no rank of the group is registered (only its room records name it)".into(),
+                    since: None,
+                });
+                continue;
+            }
             for r in view.ranks {
                 let reason = match r.state {
                     RankStateKind::Live => continue,
@@ -515,6 +528,12 @@ impl Index {
     /// The role its ranks registered with (`prefill`, `decode`), when they said.
     pub fn group_role(&self, group: &GroupId) -> Option<&str> {
         self.live_shape(group).1.or_else(|| self.certified_shape(group).1)
+    }
+
+    /// The group's size as its ranks declared it (live records, else certificates), when any
+    /// did: a record of a rank outside it names no rank of the group.
+    pub(crate) fn declared_size(&self, group: &GroupId) -> Option<u32> {
+        self.live_shape(group).0.or_else(|| self.certified_shape(group).0)
     }
 
     /// The same from the newest death (by revision) whose certificate says, for a group with

@@ -71,7 +71,6 @@ pub(crate) enum SyncMsg {
     LiveGone {
         group: GroupId,
         rank: Rank,
-        lease: Option<i64>,
     },
     Certified(IncarnationId),
     /// A certificate's retention lease ran out: forget it (bounded memory).
@@ -203,12 +202,8 @@ impl Mirror for RankMirror {
                         stall_kv(&self.keys, &key, &value, lease, create_revision).map(|s| SyncMsg::Stall(Box::new(s)))
                     })
                     .or_else(|| down_id(&self.keys, &key).map(SyncMsg::Certified)),
-                Event::Delete { key, prev_lease, .. } => match self.keys.parse(&key) {
-                    Some(KeyKind::Live { group, rank }) => Some(SyncMsg::LiveGone {
-                        group,
-                        rank,
-                        lease: prev_lease,
-                    }),
+                Event::Delete { key, .. } => match self.keys.parse(&key) {
+                    Some(KeyKind::Live { group, rank }) => Some(SyncMsg::LiveGone { group, rank }),
                     _ => down_id(&self.keys, &key).map(SyncMsg::CertificateGone),
                 },
             };

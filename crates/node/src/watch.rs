@@ -240,16 +240,12 @@ impl State {
             }
             SyncMsg::Live(l) => self.consider(*l, false),
             SyncMsg::Stall(s) => self.on_stall(*s),
-            SyncMsg::LiveGone { group, rank, lease } => {
-                // Forgotten with its live key (bounded memory).
-                self.unverified
-                    .retain(|u| !(u.0 == group && u.1 == rank && lease.is_none_or(|l| l == u.2.lease_id())));
+            SyncMsg::LiveGone { group, rank } => {
+                // Forgotten with its live key (bounded memory). Events come in revision order,
+                // so the key that vanished held the incarnation seen last.
+                self.unverified.retain(|u| !(u.0 == group && u.1 == rank));
                 let key = (group, rank);
-                let same = self
-                    .watched
-                    .get(&key)
-                    .is_some_and(|w| lease.is_none_or(|l| l == w.id.2.lease_id()));
-                if same {
+                if self.watched.contains_key(&key) {
                     // Lease expired or revoked: that incarnation is over either way (its
                     // death, if any, is the coordinator's or already ours).
                     self.unwatch(&key);

@@ -122,6 +122,9 @@ pub async fn follow(access: &EtcdAccess, prefix: &str, readers: usize, mirror: &
                 let input = match message {
                     Ok(Some(m)) => {
                         let (input, read) = summarize(m);
+                        if read.len() >= 1024 {
+                            debug!(events = read.len(), "watch message received");
+                        }
                         events.extend(read);
                         input
                     }
@@ -183,7 +186,6 @@ async fn open(client: &mut Client, prefix: &str, from_revision: i64) -> Result<W
     let opts = WatchOptions::new()
         .with_prefix()
         .with_start_revision(from_revision)
-        .with_prev_key()
         .with_progress_notify()
         .with_fragment();
     debug!(from_revision, "opening the watch");
@@ -216,7 +218,6 @@ fn summarize(m: WatchResponse) -> (Input, Vec<Event>) {
             EventType::Put => crate::put_event(kv.clone(), now),
             EventType::Delete => Event::Delete {
                 key: kv.key().to_vec(),
-                prev_lease: ev.prev_kv().map(|p| p.lease()),
                 revision: kv.mod_revision(),
                 observed_at_ms: now,
             },

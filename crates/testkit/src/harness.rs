@@ -164,7 +164,7 @@ impl Coordinator {
         let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.log)?;
         let child = Command::new(rootrank_bin())
             .args(&self.args)
-            .env("ROOTRANK_LOG", "info,rootrank_coordinator=debug")
+            .env("ROOTRANK_LOG", "info,rootrank_coordinator=debug,rootrank_store=debug")
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log)

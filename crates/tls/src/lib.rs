@@ -182,13 +182,14 @@ impl AuthToken {
 
     /// Whether an `Authorization` header value is `Bearer <this token>`, in time that does
     /// not depend on where a guess first differs.
+    /// The scheme is case-insensitive (RFC 7235 section 2.1: `BEARER` is `Bearer`).
     pub fn accepts(&self, authorization: &[u8]) -> bool {
-        let Some(given) = authorization
-            .strip_prefix(b"Bearer ")
-            .or_else(|| authorization.strip_prefix(b"bearer "))
-        else {
+        let Some((scheme, given)) = authorization.split_at_checked(7) else {
             return false;
         };
+        if !scheme.eq_ignore_ascii_case(b"Bearer ") {
+            return false;
+        }
         constant_time_eq(given, &self.0)
     }
 }
@@ -224,6 +225,8 @@ mod tests {
         assert!(!t.accepts(b"Bearer s3cret-toke"));
         assert!(!t.accepts(b"Bearer s3cret-token2"));
         assert!(!t.accepts(b"Basic s3cret-token"));
+        assert!(t.accepts(b"BEARER s3cret-token") && t.accepts(b"bEaReR s3cret-token"));
+        assert!(!t.accepts(b"Bearer  s3cret-token") && !t.accepts(b"Bearers3cret-token"));
         assert!(!t.accepts(b""));
         assert!(!t.accepts(&vec![b'a'; 100_000]));
         assert!(!format!("{t:?}").contains("s3cret"));

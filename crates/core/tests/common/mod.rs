@@ -111,14 +111,13 @@ impl World {
     }
 
     pub fn delete_raw(&mut self, key: &str) {
-        let Some((_, lease, _)) = self.kv.remove(key) else {
+        if self.kv.remove(key).is_none() {
             return;
-        };
+        }
         self.created.remove(key);
         self.rev += 1;
         let ev = Event::Delete {
             key: key.as_bytes().to_vec(),
-            prev_lease: Some(lease),
             revision: self.rev,
             observed_at_ms: self.now,
         };
