@@ -208,8 +208,11 @@ pub struct AgentStats {
     pub dropped: AtomicU64,
     /// Dropped because etcd refused them for good (or they could not be encoded).
     pub rejected: AtomicU64,
-    pub retries: AtomicU64,
+    /// Record writes retried (etcd down, slow or refusing).
+    pub retries: std::sync::Arc<AtomicU64>,
     pub registrations: AtomicU64,
+    /// Registration attempts that failed and are retried (etcd down, or refusing writes).
+    pub registration_retries: AtomicU64,
 }
 
 #[derive(Debug, Default)]

@@ -26,7 +26,7 @@ pub const HELP: &str =
 /// is an error (etcd unreachable, or another process holds this rank's live key).
 pub fn drive(agent: &Agent, input: impl BufRead, mut out: impl Write) -> std::io::Result<()> {
     let Some(inc) = agent.wait_registered(Duration::from_secs(30)) else {
-        if let Some(why) = agent.registration_refused() {
+        if let Some(why) = agent.registration_refused().or_else(|| agent.etcd_refused()) {
             return Err(std::io::Error::other(why));
         }
         return Err(std::io::Error::other(
@@ -56,7 +56,8 @@ pub fn drive(agent: &Agent, input: impl BufRead, mut out: impl Write) -> std::io
                     s.published.load(Relaxed),
                     s.dropped.load(Relaxed),
                     s.rejected.load(Relaxed),
-                    s.retries.load(Relaxed),
+                    // Every write retried, a registration's included.
+                    s.retries.load(Relaxed) + s.registration_retries.load(Relaxed),
                     s.registrations.load(Relaxed)
                 )
             }

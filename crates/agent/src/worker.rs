@@ -120,6 +120,12 @@ fn stop_unconnected(mut rx: mpsc::Receiver<Command>, shared: &Shared) {
 
 /// Says a refusal from one of the liveness loop's requests once, and whether it was one.
 async fn note_refusal(shared: &Shared, access: &EtcdAccess, e: rootrank_store::etcd_client::Error) -> bool {
+    // etcd's NOSPACE alarm: every write is refused until an operator acts, which "is etcd
+    // reachable?" would hide.
+    if e.to_string().contains("database space exceeded") {
+        say_refused(shared, NOSPACE.to_string());
+        return true;
+    }
     let Some(refusal) = rootrank_store::classify(access, e).await.refusal().cloned() else {
         return false;
     };
@@ -132,6 +138,9 @@ async fn note_refusal(shared: &Shared, access: &EtcdAccess, e: rootrank_store::e
     );
     true
 }
+
+/// What the agent says while etcd's database is full (its NOSPACE alarm).
+pub(crate) const NOSPACE: &str = rootrank_store::NOSPACE;
 
 /// Keeps why etcd refuses the agent for the host to read, and logs it once (the operator
 /// must act; retrying louder would not help).
@@ -269,6 +278,7 @@ impl Liveness {
             Ok(r) => r.id(),
             Err(e) => {
                 let text = e.to_string();
+                self.shared.stats.registration_retries.fetch_add(1, Ordering::Relaxed);
                 if !note_refusal(&self.shared, &self.config.etcd, e).await {
                     warn!(error = %text, "agent could not grant its liveness lease; retrying");
                 }
@@ -289,6 +299,7 @@ impl Liveness {
             Ok(c) => c,
             Err(e) => {
                 let text = e.to_string();
+                self.shared.stats.registration_retries.fetch_add(1, Ordering::Relaxed);
                 if !note_refusal(&self.shared, &self.config.etcd, e).await {
                     warn!(error = %text, "agent could not write its live key; retrying");
                 }
@@ -728,7 +739,8 @@ async fn publisher(
     let mut writer = RetainedWriter::new(LazyClient::connected(config.etcd.clone(), client), config.retention)
         .on_refused(Arc::new(move |why| {
             sink_shared.set_etcd_refused(why);
-        }));
+        }))
+        .count_retries_in(shared.stats.retries.clone());
     let certify =
         |reason: Reason, detail: String, log_tail: Option<Vec<String>>, at_ms: i64, incarnation: Incarnation| {
             RankDown {
@@ -787,7 +799,6 @@ async fn publisher(
             } => {
                 let down = certify(reason, detail, log_tail, at_ms, wait_incarnation(&shared).await);
                 write_certificate(&keys, &mut writer, &down).await;
-                shared.stats.retries.store(writer.retries(), Ordering::Relaxed);
             }
             Command::Attach { suffix, value } => {
                 if let Ok(mut a) = attachments.lock() {
@@ -901,7 +912,6 @@ async fn publish_failures(
         }
         span.in_scope(|| debug!(?written, "room failure published"));
     }
-    shared.stats.retries.store(writer.retries(), Ordering::Relaxed);
 }
 
 async fn wait_incarnation(shared: &Shared) -> Incarnation {

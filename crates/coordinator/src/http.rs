@@ -575,6 +575,15 @@ async fn page() -> Response {
 }
 
 async fn readyz(State(shared): State<Arc<Shared>>) -> Response {
+    let alarm = shared.etcd_alarms.lock().ok().and_then(|a| a.first().copied());
+    if let Some(alarm) = alarm {
+        return ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "etcd_alarm",
+            crate::alarms::explain(alarm),
+        )
+        .into_response();
+    }
     if shared.ready.load(Ordering::SeqCst) {
         (StatusCode::OK, "ready\n").into_response()
     } else {

@@ -11,6 +11,7 @@
 //! Nothing lives only in memory: a restarted coordinator rebuilds the same index from etcd.
 
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
+pub mod alarms;
 pub mod events;
 pub mod http;
 pub mod metrics;
@@ -95,6 +96,8 @@ pub struct Shared {
     pub events: events::EventLog,
     pub auth_token: Option<AuthToken>,
     pub auth_metrics: bool,
+    /// v4: the alarms etcd raises now (`NOSPACE`), as [`alarms::run`] last read them.
+    pub etcd_alarms: std::sync::Mutex<Vec<&'static str>>,
 }
 
 impl Shared {
@@ -113,6 +116,7 @@ impl Shared {
             events: events::EventLog::default(),
             auth_token: config.auth_token.clone(),
             auth_metrics: config.auth_metrics,
+            etcd_alarms: std::sync::Mutex::new(Vec::new()),
         }))
     }
 
@@ -179,9 +183,11 @@ pub async fn run(
     );
     let sync = tokio::spawn(sync::run(config.clone(), shared.clone()));
     let presence = tokio::spawn(presence::run(config.clone(), addr));
+    let alarms = tokio::spawn(alarms::run(config.clone(), shared.clone()));
     let app = http::router(shared.clone());
     server::serve(listener, app, &config, &shared, shutdown).await;
     sync.abort();
     presence.abort();
+    alarms.abort();
     Ok(())
 }

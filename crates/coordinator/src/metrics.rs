@@ -23,6 +23,8 @@ pub struct Metrics {
 
     pub rank_stalled: IntGaugeVec,
     pub events_readers: IntGauge,
+    /// v4: 1 while etcd raises the alarm (`NOSPACE`, `CORRUPT`), else 0.
+    pub etcd_alarm: IntGaugeVec,
     /// One scrape at a time refills and gathers the index-derived gauges: two Prometheus
     /// servers scraping at once would otherwise see each other's reset (partial series).
     render_lock: std::sync::Mutex<()>,
@@ -100,6 +102,17 @@ impl Metrics {
             &["group", "rank"],
         )?;
         let events_readers = IntGauge::new("rootrank_events_readers", "Clients following GET /v1/events now")?;
+        let etcd_alarm = IntGaugeVec::new(
+            Opts::new(
+                "rootrank_etcd_alarm",
+                "1 while etcd raises this alarm (NOSPACE: its database is full and it refuses writes), else 0",
+            ),
+            &["alarm"],
+        )?;
+        for a in crate::alarms::KNOWN {
+            etcd_alarm.with_label_values(&[a]);
+        }
+        registry.register(Box::new(etcd_alarm.clone()))?;
         registry.register(Box::new(rank_stalled.clone()))?;
         registry.register(Box::new(events_readers.clone()))?;
         registry.register(Box::new(http_connections.clone()))?;
@@ -117,7 +130,7 @@ impl Metrics {
         for s in ["resolved", "pending", "unknown"] {
             verdicts.with_label_values(&[s]);
         }
-        for k in ["key", "live", "down", "room", "stall"] {
+        for k in ["key", "live", "down", "room", "stall", "overwrite"] {
             invalid_records.with_label_values(&[k]);
         }
         Ok(Metrics {
@@ -133,6 +146,7 @@ impl Metrics {
             http_duration,
             http_connections,
             http_connections_refused,
+            etcd_alarm,
             rank_stalled,
             events_readers,
             render_lock: std::sync::Mutex::new(()),

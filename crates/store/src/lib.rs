@@ -28,7 +28,7 @@ mod snapshot;
 pub use access::{AccessError, EtcdAccess, EtcdCredentialFiles};
 pub use follow::{follow, Mirror};
 pub use follower::Follower;
-pub use retained::{LazyClient, RefusalSink, Retained, RetainedWriter, WriteError, Written};
+pub use retained::{LazyClient, RefusalSink, Retained, RetainedWriter, WriteError, Written, NOSPACE};
 pub use silence::{Silence, SilenceAction, CATCH_UP_SILENT_LIMIT, PROGRESS_EVERY, SILENT_LIMIT};
 
 pub use snapshot::{put_event, snapshot_pages, Plan, SnapshotStats, DEFAULT_READERS, PAGE};

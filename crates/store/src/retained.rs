@@ -130,12 +130,16 @@ impl WriteError {
     }
 }
 
+/// What a writer says while etcd's database is full.
+pub const NOSPACE: &str = "etcd database space exceeded: etcd raised its NOSPACE alarm and refuses every write; free space (compact and defragment etcd, or raise --quota-backend-bytes) and run `etcdctl alarm disarm`";
+
 /// Writes retained values, retrying each until etcd takes it. See the module docs.
 pub struct RetainedWriter {
     etcd: LazyClient,
     retention: RetentionLeases,
     backoff: Backoff,
-    retries: u64,
+    /// Shared with whoever shows it (an agent's stats), so it counts while a write still retries.
+    retries: std::sync::Arc<std::sync::atomic::AtomicU64>,
     rejected: u64,
     /// The refusal said last (said once until a write gets through or it changes).
     refused: Option<String>,
@@ -152,7 +156,7 @@ impl RetainedWriter {
             etcd,
             retention: RetentionLeases::new(retention),
             backoff: Backoff::new(Duration::from_millis(20), Duration::from_secs(1)),
-            retries: 0,
+            retries: Default::default(),
             rejected: 0,
             refused: None,
             on_refused: None,
@@ -181,7 +185,13 @@ impl RetainedWriter {
 
     /// Failed attempts so far (each was retried).
     pub fn retries(&self) -> u64 {
-        self.retries
+        self.retries.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Counts retries in `counter` (an agent's stats), live, not once a write is through.
+    pub fn count_retries_in(mut self, counter: std::sync::Arc<std::sync::atomic::AtomicU64>) -> Self {
+        self.retries = counter;
+        self
     }
 
     /// Values etcd rejected for good (dropped).
@@ -249,8 +259,15 @@ impl RetainedWriter {
         deadline: Option<Instant>,
     ) -> bool {
         *attempts += 1;
-        self.retries += 1;
-        if let WriteError::Refused { .. } = e {
+        self.retries.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if e.to_string().contains("database space exceeded") {
+            // etcd's NOSPACE alarm: nothing is written until an operator acts. Said once, and
+            // shown to the host like a refusal, until a write gets through.
+            if self.refused.as_deref() != Some(NOSPACE) {
+                error!(key, "{what}: {NOSPACE}; retrying quietly");
+                self.set_refused(Some(NOSPACE.to_string()));
+            }
+        } else if let WriteError::Refused { .. } = e {
             let text = e.to_string();
             if self.refused.as_deref() != Some(text.as_str()) {
                 error!(error = %e, key, "{what} refused by etcd; retrying quietly until an operator fixes the credentials or role");
@@ -332,7 +349,7 @@ impl RetainedWriter {
                     return None;
                 }
                 Err(e) => {
-                    let what = format!("batch of {} room failure records", batch.len());
+                    let what = format!("batch of {} records", batch.len());
                     if !self
                         .retry_after(
                             &mut attempts,
