@@ -263,7 +263,7 @@ async fn verdict(
     } else {
         None
     };
-    let asked_at_ms = rootrank_store::unix_ms();
+    let asked_at_ms = rootrank_store::monotonic_ms();
     let deadline = Instant::now() + Duration::from_millis(wait_ms);
     let mut revisions = shared.revision_tx.subscribe();
     let waiter = shared.waiters.watch(room);
@@ -273,7 +273,7 @@ async fn verdict(
         room,
         group: group.clone(),
         asked_at_ms,
-        now_ms: rootrank_store::unix_ms(),
+        now_ms: rootrank_store::monotonic_ms(),
     };
     loop {
         // Armed before looking, so a wake between the look and the wait is not lost.

@@ -11,7 +11,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rootrank_core::{Event, Index, KeyKind, Keys, Output};
+use rootrank_core::{Event, Index, KeyKind, Keys, Output, Window, WindowEnd};
 use rootrank_store::{LazyClient, Mirror, RetainedWriter, SnapshotStats, Written};
 use tokio::sync::mpsc;
 use tracing::{debug, info, info_span, warn, Instrument};
@@ -32,7 +32,7 @@ pub async fn run(config: CoordinatorConfig, shared: Arc<Shared>) {
             shared,
             cert_tx,
             logged_invalid: HashSet::new(),
-            watch_lost_at_ms: rootrank_store::unix_ms(),
+            watch_lost_at_ms: rootrank_store::monotonic_ms(),
             fresh: None,
         };
         rootrank_store::follow(&config.etcd, &prefix, config.snapshot_readers, &mut mirror).await
@@ -93,7 +93,7 @@ impl Mirror for IndexMirror {
             let old = std::mem::replace(&mut *idx, fresh);
             // Under the index lock, so no reader starts between the two. The catch-up includes
             // the deaths carried over above.
-            shared.events.reset(&idx, rootrank_store::unix_ms());
+            shared.events.reset(&idx, rootrank_store::monotonic_ms());
             (prev, vanished, old)
         };
         // The old index (up to a million rooms) is freed outside the lock.
@@ -131,13 +131,20 @@ impl Mirror for IndexMirror {
     }
 
     fn apply(&mut self, events: Vec<Event>) {
-        let now = rootrank_store::unix_ms();
+        let now = rootrank_store::monotonic_ms();
         let (started, n) = (Instant::now(), events.len());
-        // Anything but a room record (a rank's live record, certificate, stall) may change
-        // the answer of any room: those are few; room records are the load.
-        let rank_level = events
-            .iter()
-            .any(|e| !matches!(self.keys.parse(e.key()), Some(KeyKind::Room { .. })));
+        // Anything but a room record or a room's window end (a rank's live record,
+        // certificate, stall) may change the answer of any room: those are few; room records
+        // are the load.
+        let mut closed_rooms = Vec::new();
+        let rank_level = events.iter().any(|e| match self.keys.parse(e.key()) {
+            Some(KeyKind::Room { .. }) => false,
+            Some(KeyKind::WindowEnd(Window::Room(room))) => {
+                closed_rooms.push(room);
+                false
+            }
+            _ => true,
+        });
         let outputs = {
             let Ok(mut idx) = self.shared.index.write() else {
                 return;
@@ -154,6 +161,10 @@ impl Mirror for IndexMirror {
             self.shared.waiters.wake_all();
         } else {
             self.wake_rooms(&outputs);
+            // A window's end turns a pending room unknown with no output of its own.
+            for room in closed_rooms {
+                self.shared.waiters.wake(room);
+            }
         }
         self.handle_outputs(outputs, true);
         let rev = self.shared.index.read().map(|i| i.revision()).unwrap_or(0);
@@ -176,7 +187,7 @@ impl Mirror for IndexMirror {
         // Not current from the moment the watch ends, not after the backoff: every long poll
         // answers 503 now, and a client moves to another replica.
         self.shared.set_unready();
-        self.watch_lost_at_ms = rootrank_store::unix_ms();
+        self.watch_lost_at_ms = rootrank_store::monotonic_ms();
     }
 
     fn watch_opening(&mut self, _from_revision: i64, restart: bool) {
@@ -189,14 +200,14 @@ impl Mirror for IndexMirror {
         // A pending room whose window ends resolves (or not) with no new event: the index
         // says when, and is asked again then.
         let at_ms = self.shared.index.read().ok().and_then(|i| i.poll_timeout())?;
-        let in_ms = u64::try_from(at_ms.saturating_sub(rootrank_store::unix_ms())).unwrap_or(0);
+        let in_ms = u64::try_from(at_ms.saturating_sub(rootrank_store::monotonic_ms())).unwrap_or(0);
         Some(Instant::now() + Duration::from_millis(in_ms))
     }
 
     /// The index's deadline came: rooms it decides now are announced (events, metrics) and the
     /// long polls woken, as for a new revision.
     fn handle_timeout(&mut self, _now: Instant) {
-        let now = rootrank_store::unix_ms();
+        let now = rootrank_store::monotonic_ms();
         let (outputs, revision) = {
             let Ok(mut idx) = self.shared.index.write() else { return };
             let outputs = idx.handle_timeout(now);
@@ -228,7 +239,8 @@ fn output_revision(o: &Output) -> i64 {
         | Output::LiveKeyVanished { revision, .. }
         | Output::RankChanged { revision, .. }
         | Output::GroupForgotten { revision, .. }
-        | Output::Invalid { revision, .. } => *revision,
+        | Output::Invalid { revision, .. }
+        | Output::WindowEnded { revision, .. } => *revision,
     }
 }
 
@@ -308,6 +320,13 @@ impl IndexMirror {
                 Output::GroupForgotten { group, .. } => {
                     debug!(%group, "group forgotten: etcd holds nothing for it");
                 }
+                Output::WindowEnded { window, .. } => {
+                    debug!(
+                        ?window,
+                        "a window ended on this coordinator's clock: writing its end key"
+                    );
+                    let _ = self.cert_tx.send(o);
+                }
                 Output::Invalid { kind, key, error, .. } => {
                     m.invalid_records.with_label_values(&[kind]).inc();
                     // Logged once per key; the set is bounded so a flood cannot grow it forever.
@@ -320,34 +339,70 @@ impl IndexMirror {
     }
 }
 
-/// Persists vanished live keys as coordinator certificates, retrying until etcd takes them.
-/// What the channel holds is written together, in as few create-if-absent transactions as
-/// etcd's limits allow (`write_records`: 128 a transaction), so a mass death (a lease shared
-/// by 100,000 keys revoked) is on record within seconds, not one round trip per death.
+/// Persists vanished live keys as coordinator certificates, and the ends of windows this
+/// coordinator's clock saw (v4), retrying until etcd takes them. What the channel holds is
+/// written together, in as few create-if-absent transactions as etcd's limits allow
+/// (`write_records`: 128 a transaction), so a mass death (a lease shared by 100,000 keys
+/// revoked) is on record within seconds, not one round trip per death. A window's end is
+/// written create-only by every replica that sees it: the first to land counts.
 async fn certificate_writer(config: CoordinatorConfig, mut rx: mpsc::UnboundedReceiver<Output>) {
     const MOST_AT_ONCE: usize = 4096;
     let keys = Keys::new(&config.index.prefix);
     let mut writer = RetainedWriter::new(LazyClient::new(config.etcd.clone()), config.retention);
+    // An end key outlives the records whose windows it closes (a room's records come up to
+    // SGLang's 300 s timeouts after its first, and keep their retention from then), so a
+    // replica that loads later finds it while they are there.
+    let window_lease = config.retention + Duration::from_millis(config.index.death_window_ms.max(0) as u64);
+    let mut window_writer = RetainedWriter::new(LazyClient::new(config.etcd.clone()), window_lease);
+    let by = config.listen.to_string();
     let mut outputs = Vec::with_capacity(MOST_AT_ONCE);
     while rx.recv_many(&mut outputs, MOST_AT_ONCE).await > 0 {
-        let certificates: Vec<(String, Vec<u8>)> = outputs
-            .drain(..)
-            .filter_map(Output::into_coordinator_certificate)
-            .filter_map(|down| {
+        let mut certificates: Vec<(String, Vec<u8>)> = Vec::new();
+        let mut ends: Vec<(String, Vec<u8>)> = Vec::new();
+        for o in outputs.drain(..) {
+            if let Output::WindowEnded {
+                window,
+                opened_revision,
+                length_ms,
+                ..
+            } = &o
+            {
+                let value = WindowEnd {
+                    v: 1,
+                    opened_revision: *opened_revision,
+                    length_ms: *length_ms,
+                    by: Some(by.clone()),
+                };
+                if let Ok(v) = serde_json::to_vec(&value) {
+                    ends.push((keys.window_end(window), v));
+                }
+                continue;
+            }
+            if let Some(down) = o.into_coordinator_certificate() {
                 let key = keys.down(&down.group, down.rank, down.incarnation);
                 // A RankDown of strings and integers always serializes.
-                serde_json::to_vec(&down).ok().map(|value| (key, value))
-            })
-            .collect();
-        if certificates.is_empty() {
-            continue;
+                if let Ok(value) = serde_json::to_vec(&down) {
+                    certificates.push((key, value));
+                }
+            }
         }
-        let batch: Vec<(&str, &[u8])> = certificates.iter().map(|(k, v)| (k.as_str(), v.as_slice())).collect();
-        let written = writer
-            .write_records(&batch, None)
-            .instrument(info_span!("certificates", count = batch.len()))
-            .await;
-        let new = written.iter().filter(|w| **w == Written::Yes).count();
-        debug!(certificates = batch.len(), new, "lease_expired certificates written");
+        if !certificates.is_empty() {
+            let batch: Vec<(&str, &[u8])> = certificates.iter().map(|(k, v)| (k.as_str(), v.as_slice())).collect();
+            let written = writer
+                .write_records(&batch, None)
+                .instrument(info_span!("certificates", count = batch.len()))
+                .await;
+            let new = written.iter().filter(|w| **w == Written::Yes).count();
+            debug!(certificates = batch.len(), new, "lease_expired certificates written");
+        }
+        if !ends.is_empty() {
+            let batch: Vec<(&str, &[u8])> = ends.iter().map(|(k, v)| (k.as_str(), v.as_slice())).collect();
+            let written = window_writer
+                .write_records(&batch, None)
+                .instrument(info_span!("window_ends", count = batch.len()))
+                .await;
+            let new = written.iter().filter(|w| **w == Written::Yes).count();
+            debug!(windows = batch.len(), new, "window end keys written");
+        }
     }
 }

@@ -92,6 +92,16 @@ impl Event {
 /// What the shell should know or do after an event.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Output {
+    /// v4: this replica's monotonic clock saw `window` end and etcd does not say so yet: the
+    /// shell writes its end key create-only ([`crate::Keys::window_end`], a
+    /// [`crate::WindowEnd`]); the revision at which the first such write lands closes it on
+    /// every replica.
+    WindowEnded {
+        window: crate::Window,
+        opened_revision: i64,
+        length_ms: i64,
+        revision: i64,
+    },
     /// A room failure record entered the index (for `rootrank_failure_records_total`).
     RecordAccepted {
         room: RoomId,
@@ -281,6 +291,9 @@ pub(crate) struct Death {
     /// A `peer_lost` death first seen as such (rule 7). One that refines a death already seen
     /// (a vanished live key) is no victim: a verdict may already have named it (rule 2).
     pub(crate) victim: bool,
+    /// When this replica first knew of the death (its monotonic clock, ms): where its windows
+    /// start here. Only this replica's deadlines use it; verdicts use the windows' end keys.
+    pub(crate) seen_ms: i64,
 }
 
 /// v3: a live rank whose loop stopped advancing (its `stall` key).
@@ -351,11 +364,16 @@ pub struct Index {
     /// Rooms with records in a group and no verdict yet, re-checked when a death lands (in
     /// room order, so every replica emits the same outputs in the same order).
     pub(crate) unresolved: HashMap<GroupId, BTreeSet<RoomId>>,
-    /// When a pending room's window ends (observed-time ms, room): its verdict may then change
-    /// with no new event (a victim is named, or nothing will be), so the shell calls
-    /// [`Index::handle_timeout`] at [`Index::poll_timeout`]. Entries of rooms that resolved
-    /// meanwhile are dropped when their time comes.
-    pub(crate) timers: BTreeSet<(i64, RoomId)>,
+    /// When a window of section 5 ends on this replica's monotonic clock (ms, window): the
+    /// shell calls [`Index::handle_timeout`] at [`Index::poll_timeout`], which asks it to write
+    /// the window's end key unless etcd already holds one. Verdicts change only when an end
+    /// key lands (an event at a revision), never at a local deadline.
+    pub(crate) window_timers: BTreeSet<(i64, crate::Window)>,
+    /// v4: the windows etcd says ended, with the revision of their end key (the first value
+    /// counts): exactly the end keys etcd holds, so a replica that loads later agrees. A room
+    /// id used again while its end key lives (SGLang draws them at random from 63 bits) is
+    /// closed from its first record.
+    pub(crate) window_ends: HashMap<crate::Window, i64>,
     /// The most recently resolved rooms, by (revision, room): the revision at which the room
     /// had both its first record and its culprit, a function of etcd state, so replicas and
     /// a reloaded coordinator keep the same log. The root cause itself is derived when asked,
@@ -399,7 +417,8 @@ impl Index {
             endpoints: BTreeMap::new(),
             stalls: BTreeMap::new(),
             unresolved: HashMap::new(),
-            timers: BTreeSet::new(),
+            window_timers: BTreeSet::new(),
+            window_ends: HashMap::new(),
             root_causes: BTreeSet::new(),
             record_count: 0,
             group_records: HashMap::new(),
@@ -614,6 +633,10 @@ impl Index {
         };
         match kind {
             KeyKind::Coordinator | KeyKind::Nixl { .. } => {}
+            KeyKind::WindowEnd(window) => match crate::WindowEnd::parse(value) {
+                Err(e) => out.push(invalid("window", e.to_string())),
+                Ok(_) => self.window_end_landed(window, revision, now, out),
+            },
             KeyKind::Live { group, rank } => match RankLive::parse(value) {
                 Err(e) => out.push(invalid("live", e.to_string())),
                 Ok(rec) if rec.group != group || rec.rank != rank => out.push(invalid(
@@ -744,6 +767,11 @@ impl Index {
             }
             Some(KeyKind::Room { group, room, rank }) => {
                 self.remove_room_record(&group, room, rank, revision, now, out)
+            }
+            Some(KeyKind::WindowEnd(window)) => {
+                // Its lease ran out (it outlives the records it closes a window for). Only
+                // the key's presence counts, so a replica that loads now agrees.
+                self.window_ends.remove(&window);
             }
             _ => {}
         }
@@ -954,8 +982,10 @@ impl Index {
             role: live.record.role.clone(),
             registered_revision: Some(live.registered_revision),
             victim: false,
+            seen_ms: now,
         };
         self.deaths.insert((group.clone(), rank, inc), death);
+        self.schedule_death_windows(group, rank, inc);
         self.drop_stall(group, rank, inc);
         out.push(Output::RankChanged {
             group: group.clone(),
@@ -1083,8 +1113,10 @@ impl Index {
                         role: rec.role,
                         registered_revision: rec.registered_revision,
                         victim,
+                        seen_ms: now,
                     },
                 );
+                self.schedule_death_windows(&group, rank, rec.incarnation);
                 // A death this index learns only now although etcd saw it earlier (a reload
                 // between a vanished key and its certificate saw neither): a resolved room may
                 // now name it, so its place in the root-cause log moves with it.
@@ -1196,6 +1228,7 @@ impl Index {
             incarnation: rec.incarnation,
             peer: rec.peer.map(Box::new),
         };
+        let new_room = !self.rooms.contains_key(&room);
         let entry = self.rooms.entry(room).or_insert_with(|| RoomEntry {
             first_observed_ms: now,
             ..RoomEntry::default()
@@ -1229,7 +1262,13 @@ impl Index {
             origin: rec.origin,
             revision,
         });
-        if !entry.resolved {
+        if new_room {
+            // A first estimate: handle_timeout measures the window again when it comes.
+            let length = self.room_window_ms(room);
+            self.window_timers
+                .insert((now.saturating_add(length).saturating_add(1), crate::Window::Room(room)));
+        }
+        if self.rooms.get(&room).is_some_and(|e| !e.resolved) {
             self.unresolved.entry(group).or_default().insert(room);
             if self.loading_now_ms.is_none() {
                 self.watch_peer_groups(room);
@@ -1262,17 +1301,10 @@ impl Index {
         let resolved = match decision.summary(self, room) {
             Some(c) => c,
             None => {
-                if let crate::verdict::Decision::Pending { remaining_ms }
-                | crate::verdict::Decision::VictimPending { remaining_ms } = decision.last()
-                {
-                    // The window is inclusive: the answer is final the millisecond after it.
-                    self.timers
-                        .insert((now.saturating_add((*remaining_ms).max(0)).saturating_add(1), room));
-                }
                 // An `unknown` room stays watched: past its window a local record, or a death
-                // etcd learns late (a certificate delayed while the coordinator could not write
-                // it, dated inside the window), can still resolve it, as it would on a replica
-                // that loads now. It leaves with its records.
+                // etcd learns late but seen before the window's end key (a vanished live key
+                // whose certificate was delayed), can still resolve it, as it would on a
+                // replica that loads now. It leaves with its records.
                 return;
             }
         };
@@ -1325,31 +1357,113 @@ impl Index {
         }
     }
 
-    /// The earliest observed-time (ms) at which a pending room's verdict may change without a
-    /// new etcd event (its pending or victim window ends); `None` when no room is pending.
+    /// The earliest time (this replica's monotonic clock, ms) at which a window of section 5
+    /// may end here ([`Index::handle_timeout`]); `None` when none is open.
     pub fn poll_timeout(&self) -> Option<i64> {
-        self.timers.first().map(|(at, _)| *at)
+        self.window_timers.first().map(|(at, _)| *at)
     }
 
-    /// Decides again every pending room whose window ended by `now_ms`: a room whose victim
-    /// is now the answer resolves (its `RoomResolved` at the current revision), one that only
-    /// a `local` record could still resolve stops being watched. Deterministic: the same
-    /// index and `now_ms` give the same outputs.
+    /// Every window that ended by `now_ms` on this replica's clock and that etcd does not yet
+    /// say ended: one [`Output::WindowEnded`] each, for the shell to write. A room's window
+    /// is measured again first (a group with a longer lease TTL may have joined it). Verdicts
+    /// do not change here: only when an end key lands, so they stay a function of etcd state.
     pub fn handle_timeout(&mut self, now_ms: i64) -> Vec<Output> {
         let mut out = Vec::new();
         if self.loading_now_ms.is_some() {
-            return out; // a snapshot decides its rooms when it is complete
+            return out; // a snapshot's windows are measured once it is complete
         }
-        while let Some(&(at, room)) = self.timers.first() {
+        while let Some((at, window)) = self.window_timers.first().cloned() {
             if at > now_ms {
                 break;
             }
-            self.timers.pop_first();
-            if self.rooms.get(&room).is_some_and(|e| !e.resolved) {
-                self.recheck_room(room, self.revision, now_ms, &mut out);
+            self.window_timers.pop_first();
+            if self.window_ends.contains_key(&window) {
+                continue;
             }
+            let Some((opened_ms, opened_revision, length_ms)) = self.window_extent(&window) else {
+                continue; // what it belonged to is gone, or no longer has that window
+            };
+            // Inclusive: a death seen at the window's last millisecond still counts.
+            let end = opened_ms.saturating_add(length_ms);
+            if end >= now_ms {
+                self.window_timers.insert((end.saturating_add(1), window));
+                continue;
+            }
+            out.push(Output::WindowEnded {
+                window,
+                opened_revision,
+                length_ms,
+                revision: self.revision,
+            });
         }
         out
+    }
+
+    /// A window's start here (ms), the revision that opened it, and its length; `None` when
+    /// it no longer applies.
+    fn window_extent(&self, window: &crate::Window) -> Option<(i64, i64, i64)> {
+        match window {
+            crate::Window::Room(room) => {
+                let e = self.rooms.get(room)?;
+                let first = e.records.first()?.revision;
+                Some((e.first_observed_ms, first, self.room_window_ms(*room)))
+            }
+            crate::Window::Death(g, r, i) => {
+                let d = self
+                    .deaths
+                    .get(&(g.clone(), *r, *i))
+                    .filter(|d| !d.reason.is_shutdown())?;
+                Some((d.seen_ms, d.revision, self.config.death_window_ms))
+            }
+            crate::Window::Victim(g, r, i) => {
+                let d = self.deaths.get(&(g.clone(), *r, *i)).filter(|d| d.victim)?;
+                Some((d.seen_ms, d.revision, self.group_window_ms(g)))
+            }
+        }
+    }
+
+    /// Rule 7's window after a victim of `group` died.
+    pub(crate) fn group_window_ms(&self, group: &GroupId) -> i64 {
+        self.slowest_lease_ttl_ms(group, None)
+            .unwrap_or(self.config.default_lease_ttl_ms)
+            .saturating_add(self.config.pending_grace_ms)
+    }
+
+    /// A new death's windows start now: its death window, and its victim window if it is one.
+    fn schedule_death_windows(&mut self, group: &GroupId, rank: Rank, inc: Incarnation) {
+        let Some(d) = self.deaths.get(&(group.clone(), rank, inc)) else {
+            return;
+        };
+        let (seen, victim) = (d.seen_ms, d.victim);
+        let death_end = seen.saturating_add(self.config.death_window_ms).saturating_add(1);
+        self.window_timers
+            .insert((death_end, crate::Window::Death(group.clone(), rank, inc)));
+        if victim {
+            let end = seen.saturating_add(self.group_window_ms(group)).saturating_add(1);
+            self.window_timers
+                .insert((end, crate::Window::Victim(group.clone(), rank, inc)));
+        }
+    }
+
+    /// An end key landed at `revision`: the window is closed from there on, on every replica.
+    /// A room waiting on its pending window is decided again (now `unknown`, or a victim named).
+    fn window_end_landed(&mut self, window: crate::Window, revision: i64, now: i64, out: &mut Vec<Output>) {
+        if self.window_ends.contains_key(&window) {
+            return; // create-only: the first end counts
+        }
+        self.window_ends.insert(window.clone(), revision);
+        if self.loading_now_ms.is_some() {
+            return;
+        }
+        match window {
+            crate::Window::Room(room) => {
+                if self.rooms.get(&room).is_some_and(|e| !e.resolved) {
+                    self.recheck_room(room, revision, now, out);
+                }
+            }
+            crate::Window::Victim(group, _, _) => self.recheck_group(&group, revision, now, out),
+            crate::Window::Death(..) => {}
+        }
     }
 
     /// A room whose records only report a peer's failure (rule 7) resolves when a death lands

@@ -7,6 +7,9 @@
 //! {p}/groups/{group}/ranks/{rank}/stall         (v3: RankStall, on the liveness lease)
 //! {p}/groups/{group}/rooms/{room}/ranks/{rank}
 //! {p}/coordinators/...
+//! {p}/coordinators/windows/rooms/{room}                            (v4: a window's end)
+//! {p}/coordinators/windows/deaths/{group}/{rank}/{incarnation}
+//! {p}/coordinators/windows/victims/{group}/{rank}/{incarnation}
 //! ```
 
 use crate::ids::{parse_rank, GroupId, Incarnation, Rank, RoomId};
@@ -38,7 +41,23 @@ pub enum KeyKind {
         room: RoomId,
         rank: Rank,
     },
+    /// v4: a coordinator's record that a window of SPEC section 5 ended (see [`Window`]).
+    WindowEnd(Window),
     Coordinator,
+}
+
+/// A window of SPEC section 5, measured on a coordinator's monotonic clock from the revision
+/// that opened it. The first coordinator whose clock sees it end writes its end key
+/// (create-only), so every replica, and one that loads later, closes it at the same revision.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Window {
+    /// A room's pending window (rule 3), opened by its first record: deaths after its end are
+    /// no candidates of the room.
+    Room(RoomId),
+    /// A death's death window: a room whose first record comes after its end does not count it.
+    Death(GroupId, Rank, Incarnation),
+    /// A victim's window (rule 7): a candidate after its end no longer outranks the victim.
+    Victim(GroupId, Rank, Incarnation),
 }
 
 /// Builds and parses keys under one prefix.
@@ -88,6 +107,14 @@ impl Keys {
     pub fn coordinators(&self) -> String {
         format!("{}/coordinators/", self.prefix)
     }
+    /// Where a coordinator records that `window` ended.
+    pub fn window_end(&self, window: &Window) -> String {
+        match window {
+            Window::Room(room) => format!("{}/coordinators/windows/rooms/{room}", self.prefix),
+            Window::Death(g, r, i) => format!("{}/coordinators/windows/deaths/{g}/{r}/{i}", self.prefix),
+            Window::Victim(g, r, i) => format!("{}/coordinators/windows/victims/{g}/{r}/{i}", self.prefix),
+        }
+    }
 
     /// Parses a key; `None` for anything that is not rootrank's layout.
     pub fn parse(&self, key: &[u8]) -> Option<KeyKind> {
@@ -95,6 +122,18 @@ impl Keys {
         let rest = key.strip_prefix(self.prefix.as_str())?.strip_prefix('/')?;
         let parts: Vec<&str> = rest.split('/').collect();
         match parts.as_slice() {
+            ["coordinators", "windows", "rooms", room] => {
+                Some(KeyKind::WindowEnd(Window::Room(RoomId::parse(room).ok()?)))
+            }
+            ["coordinators", "windows", kind @ ("deaths" | "victims"), g, r, i] => {
+                let (g, r, i) = (GroupId::new(g).ok()?, parse_rank(r).ok()?, Incarnation::parse(i).ok()?);
+                Some(KeyKind::WindowEnd(if *kind == "deaths" {
+                    Window::Death(g, r, i)
+                } else {
+                    Window::Victim(g, r, i)
+                }))
+            }
+            ["coordinators", "windows", ..] => None,
             ["coordinators", ..] => Some(KeyKind::Coordinator),
             ["groups", g, "ranks", r, "live"] => Some(KeyKind::Live {
                 group: GroupId::new(g).ok()?,
@@ -165,8 +204,18 @@ mod tests {
         );
         assert_eq!(
             k.parse(k.nixl(&g, 0).as_bytes()),
-            Some(KeyKind::Nixl { group: g, rank: 0 })
+            Some(KeyKind::Nixl {
+                group: g.clone(),
+                rank: 0
+            })
         );
+        for w in [
+            Window::Room(room),
+            Window::Death(g.clone(), 2, inc),
+            Window::Victim(g.clone(), 0, inc),
+        ] {
+            assert_eq!(k.parse(k.window_end(&w).as_bytes()), Some(KeyKind::WindowEnd(w)));
+        }
         assert_eq!(
             k.room(&GroupId::new("p").unwrap(), RoomId::new(5).unwrap(), 0),
             "/rootrank/v1/groups/p/rooms/5/ranks/0"
@@ -184,6 +233,8 @@ mod tests {
             "/rootrank/v1/groups/g/rooms/abc/ranks/0",
             "/rootrank/v1/groups/g/ranks/0/down/0",
             "/rootrank/v1/groups/-g/ranks/0/live",
+            "/rootrank/v1/coordinators/windows/rooms/02009",
+            "/rootrank/v1/coordinators/windows/deaths/g/0",
         ] {
             assert_eq!(k.parse(bad.as_bytes()), None, "{bad}");
         }

@@ -27,8 +27,10 @@ pub mod views;
 pub use ids::{GroupId, IdError, Incarnation, Rank, Reason, RoomId};
 pub use index::RootCause;
 pub use index::{Event, Index, IndexConfig, Output};
-pub use keys::{KeyKind, Keys};
-pub use records::{DownSource, ExitInfo, Origin, Peer, RankDown, RankLive, RankStall, RecordError, RoomFailure};
+pub use keys::{KeyKind, Keys, Window};
+pub use records::{
+    DownSource, ExitInfo, Origin, Peer, RankDown, RankLive, RankStall, RecordError, RoomFailure, WindowEnd,
+};
 pub use verdict::{
     Action, CompactCause, CompactCulprit, CompactVerdict, Culprit, CulpritSource, Evidence, EvidenceKind, PeerRef,
     Status, Verdict, VerdictQuery, Victim,

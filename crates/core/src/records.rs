@@ -239,6 +239,27 @@ pub struct RankStall {
 /// Parses a record in one pass over its bytes (a coordinator parses a million of them at
 /// start-up). Only when that fails is the version read on its own, so a record of another
 /// schema version is reported as such rather than as whatever field it lacks.
+/// v4: a coordinator's record that a window of SPEC section 5 ended (key
+/// `{p}/coordinators/windows/...`, create-only, on a retention lease). What counts is the
+/// revision at which it landed; the fields are for people.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct WindowEnd {
+    pub v: u32,
+    /// The revision that opened the window (a room's first record, a death).
+    pub opened_revision: i64,
+    /// How long the window was, on the writing coordinator's monotonic clock.
+    pub length_ms: i64,
+    /// The coordinator that saw it end first.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub by: Option<String>,
+}
+
+impl WindowEnd {
+    pub fn parse(raw: &[u8]) -> Result<Self, RecordError> {
+        parse_versioned(raw, |r: &WindowEnd| r.v)
+    }
+}
+
 fn parse_versioned<T: serde::de::DeserializeOwned>(raw: &[u8], version: impl Fn(&T) -> u32) -> Result<T, RecordError> {
     match serde_json::from_slice::<T>(raw) {
         Ok(r) if version(&r) == SCHEMA_VERSION => Ok(r),

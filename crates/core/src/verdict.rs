@@ -265,9 +265,13 @@ pub(crate) enum Decision {
 struct Scope<'a> {
     records: Vec<(usize, &'a RoomRecord)>,
     groups: BTreeSet<GroupId>,
-    t0_ms: i64,
+    /// When the pending window opened on this replica's monotonic clock: the room's first
+    /// record here, or the query when the scope has no record (only the countdown uses it).
+    opened_ms: i64,
     first_revision: Option<i64>,
     pending_window_ms: i64,
+    /// The revision of the room's pending-window end key, once etcd holds it.
+    window_end: Option<i64>,
 }
 
 impl Index {
@@ -287,10 +291,12 @@ impl Index {
             Some(g) => BTreeSet::from([g.clone()]),
             None => records.iter().map(|(_, r)| r.group.clone()).collect(),
         };
-        let (t0_ms, first_revision) = match records.first() {
-            Some((_, r)) => (r.at_ms, Some(r.revision)),
-            None => (asked_at_ms, None),
+        let entry = self.rooms.get(&room);
+        let (opened_ms, first_revision) = match (records.first(), entry) {
+            (Some((_, r)), Some(e)) => (e.first_observed_ms, Some(r.revision)),
+            _ => (asked_at_ms, None),
         };
+        let window_end = first_revision.and_then(|_| self.window_ends.get(&crate::Window::Room(room)).copied());
         let slowest_ttl = groups
             .iter()
             .filter_map(|g| self.slowest_lease_ttl_ms(g, first_revision))
@@ -299,21 +305,38 @@ impl Index {
         Scope {
             records,
             groups,
-            t0_ms,
+            opened_ms,
             first_revision,
             pending_window_ms: slowest_ttl + self.config.pending_grace_ms,
+            window_end,
         }
+    }
+
+    /// Rule 3's pending window of a room: the slowest involved rank's lease TTL plus the grace.
+    pub(crate) fn room_window_ms(&self, room: RoomId) -> i64 {
+        self.scope(room, None, 0).pending_window_ms
+    }
+
+    /// Whether a death counts for a scope by the windows of section 5, all by revision: seen
+    /// before the room's pending window ended (its end key), and its own death window not yet
+    /// ended when the room's first record came (or, with no record, now). No host clock and
+    /// no local deadline: a function of etcd state, the same on every replica.
+    fn in_windows(&self, key: &(GroupId, Rank, Incarnation), d: &Death, scope: &Scope<'_>) -> bool {
+        let before_end = scope.window_end.is_none_or(|end| d.revision < end);
+        let fresh = match self.window_ends.get(&crate::Window::Death(key.0.clone(), key.1, key.2)) {
+            None => true,
+            Some(aged) => scope.first_revision.is_some_and(|first| first < *aged),
+        };
+        !d.reason.is_shutdown() && before_end && fresh
     }
 
     /// Deaths that count for a room under rule 2, in revision order.
     fn counted_deaths<'a>(&'a self, scope: &Scope<'_>) -> Vec<(&'a (GroupId, Rank, Incarnation), &'a Death)> {
-        let lo = scope.t0_ms - self.config.death_window_ms;
-        let hi = scope.t0_ms + scope.pending_window_ms;
         let mut out: Vec<_> = scope
             .groups
             .iter()
             .flat_map(|g| self.deaths_of(g))
-            .filter(|(_, d)| !d.reason.is_shutdown() && d.at_ms >= lo && d.at_ms <= hi)
+            .filter(|(k, d)| self.in_windows(k, d, scope))
             .filter(|((g, rank, inc), _)| !self.reregistered_before(g, *rank, *inc, scope.first_revision))
             .collect();
         out.sort_by_key(|(_, d)| d.revision);
@@ -375,7 +398,7 @@ impl Index {
         now_ms: i64,
         hops: usize,
     ) -> Decision {
-        if let Some(d) = decide_candidates(scope, deaths, now_ms) {
+        if let Some(d) = self.decide_candidates(scope, deaths, now_ms) {
             return d;
         }
         if hops > 0 {
@@ -393,16 +416,53 @@ impl Index {
                 return Decision::Unknown;
             }
         }
-        let until = scope.t0_ms + scope.pending_window_ms;
-        // Inclusive, as `counted_deaths` is: a death dated at the window's last millisecond
-        // still counts, so the room is final only after it.
-        if now_ms <= until {
-            Decision::Pending {
-                remaining_ms: until - now_ms,
-            }
-        } else {
-            Decision::Unknown
+        let until = scope.opened_ms.saturating_add(scope.pending_window_ms);
+        let remaining_ms = until.saturating_sub(now_ms).max(0);
+        match (scope.first_revision, scope.window_end) {
+            // A recorded room is final once etcd says its window ended; meanwhile the
+            // countdown is this replica's (0 while the end key is on its way).
+            (Some(_), Some(_)) => Decision::Unknown,
+            (Some(_), None) => Decision::Pending { remaining_ms },
+            // No record: the query's own window, on this replica's clock.
+            (None, _) if now_ms <= until => Decision::Pending { remaining_ms },
+            (None, _) => Decision::Unknown,
         }
+    }
+
+    /// Rules 1 and 7 over the candidates of one scope: the first candidate by revision that
+    /// is not a victim; else, once etcd says the victim's window ended, the first victim.
+    fn decide_candidates(
+        &self,
+        scope: &Scope<'_>,
+        deaths: &[(&(GroupId, Rank, Incarnation), &Death)],
+        now_ms: i64,
+    ) -> Option<Decision> {
+        let victim = deaths.iter().find(|(_, d)| d.victim);
+        // Against a victim, a candidate counts if it came before it, or before the end key of
+        // the window in which the rank it lost could still show up (after that the victim is
+        // the answer, and stays it: rule 2).
+        let settled = victim.and_then(|((g, r, i), _)| self.window_ends.get(&crate::Window::Victim(g.clone(), *r, *i)));
+        let counts = |revision: i64| {
+            victim.is_none_or(|(_, v)| revision < v.revision || settled.is_none_or(|end| revision < *end))
+        };
+        let record = scope
+            .records
+            .iter()
+            .find(|(_, r)| r.origin == Origin::Local && counts(r.revision));
+        let death = deaths.iter().find(|(_, d)| !d.victim && counts(d.revision));
+        if let Some(d) = earliest(record.map(|(i, r)| (*i, *r)), death.map(|(k, d)| (*k, *d))) {
+            return Some(d);
+        }
+        let (key, v) = victim?;
+        Some(match settled {
+            Some(_) => Decision::Death { key: (*key).clone() },
+            None => {
+                let until = v.seen_ms.saturating_add(self.group_window_ms(&key.0));
+                Decision::VictimPending {
+                    remaining_ms: until.saturating_sub(now_ms).max(0),
+                }
+            }
+        })
     }
 
     /// The group a room's `peer_reported` records point at (rule 7), outside the scope's own
@@ -485,8 +545,13 @@ impl Index {
         let decision = self.decide(q.room, q.group.as_ref(), q.asked_at_ms, q.now_ms);
         let changes_in = match decision.last() {
             // Inclusive windows: the answer may change the millisecond after.
+            // Past this replica's deadline, the end key is on its way and wakes the poll when
+            // it lands; look again now and then in case etcd is slow to take it.
+            Decision::Pending { remaining_ms } | Decision::VictimPending { remaining_ms } if *remaining_ms == 0 => {
+                Some(250)
+            }
             Decision::Pending { remaining_ms } | Decision::VictimPending { remaining_ms } => {
-                Some(remaining_ms.saturating_add(1).max(1))
+                Some(remaining_ms.saturating_add(1))
             }
             _ => None,
         };
@@ -613,39 +678,6 @@ impl Index {
 /// How many groups rule 7 follows `peer_reported` records through (decode -> prefill is one).
 const PEER_HOPS: usize = 4;
 
-/// Rules 1 and 7 over the candidates of one scope: the first candidate by revision that is
-/// not a victim; else, once nothing else can show up, the first victim.
-fn decide_candidates(
-    scope: &Scope<'_>,
-    deaths: &[(&(GroupId, Rank, Incarnation), &Death)],
-    now_ms: i64,
-) -> Option<Decision> {
-    let victim = deaths.iter().find(|(_, d)| d.victim);
-    // Against a victim, a candidate counts if it came before it, or showed up within the
-    // window in which the rank it lost could still show up (after that the victim is the
-    // answer, and stays it: rule 2).
-    let until = victim.map(|(_, v)| (v.revision, v.at_ms.saturating_add(scope.pending_window_ms)));
-    let counts = |revision: i64, at_ms: i64| until.is_none_or(|(vr, until)| revision < vr || at_ms <= until);
-    let record = scope
-        .records
-        .iter()
-        .find(|(_, r)| r.origin == Origin::Local && counts(r.revision, r.at_ms));
-    let death = deaths.iter().find(|(_, d)| !d.victim && counts(d.revision, d.at_ms));
-    if let Some(d) = earliest(record.map(|(i, r)| (*i, *r)), death.map(|(k, d)| (*k, *d))) {
-        return Some(d);
-    }
-    let (key, _) = victim?;
-    let (_, until) = until?;
-    // Inclusive, as `counts` is.
-    Some(if now_ms <= until {
-        Decision::VictimPending {
-            remaining_ms: until - now_ms,
-        }
-    } else {
-        Decision::Death { key: (*key).clone() }
-    })
-}
-
 /// Rule 1 between a first record and a first death: the lower revision; a tie (one etcd
 /// transaction could make one) goes to the record, which names the room.
 fn earliest(
@@ -699,11 +731,9 @@ impl Index {
                 .enumerate()
                 .find(|(_, r)| &r.group == group && r.rank == rank && r.origin == Origin::Local)
         });
-        let lo = scope.t0_ms - self.config.death_window_ms;
-        let hi = scope.t0_ms + scope.pending_window_ms;
         let death = self
             .deaths_of(group)
-            .filter(|((_, r, _), d)| *r == rank && !d.reason.is_shutdown() && d.at_ms >= lo && d.at_ms <= hi)
+            .filter(|(k, d)| k.1 == rank && self.in_windows(k, d, scope))
             .filter(|((g, r, inc), _)| !self.reregistered_before(g, *r, *inc, scope.first_revision))
             .min_by_key(|(_, d)| d.revision);
         earliest(record, death)?.culprit(self, room)
@@ -920,13 +950,19 @@ fn explain_decision(
             c.source,
             one_line(&c.detail)
         ),
-        (Decision::VictimPending { remaining_ms }, _) => format!(
-            "A rank of {groups} died because a peer of its collective vanished; the rank it lost can still show up for {:.1} s. Wait (ask again with wait_ms).",
-            *remaining_ms as f64 / 1000.0
+        // The window's length, not what is left of it: the countdown is this replica's own
+        // clock, and replicas at one revision answer byte for byte the same.
+        (Decision::VictimPending { .. }, _) => format!(
+            "A rank of {groups} died because a peer of its collective vanished; the rank it lost can still show up within {:.1} s of that death. Wait (ask again with wait_ms).",
+            scope.pending_window_ms as f64 / 1000.0
         ),
-        (Decision::Pending { remaining_ms }, _) => format!(
-            "No rank of {groups} has reported a cause for room {room} yet; a death could still show up for {:.1} s. Wait (ask again with wait_ms).",
-            *remaining_ms as f64 / 1000.0
+        (Decision::Pending { .. }, _) if scope.first_revision.is_some() => format!(
+            "No rank of {groups} has reported a cause for room {room} yet; a death could still show up within {:.1} s of its first record. Wait (ask again with wait_ms).",
+            scope.pending_window_ms as f64 / 1000.0
+        ),
+        (Decision::Pending { .. }, _) => format!(
+            "No rank of {groups} has reported a cause for room {room} yet; a death could still show up within {:.1} s of this question. Wait (ask again with wait_ms).",
+            scope.pending_window_ms as f64 / 1000.0
         ),
         _ => format!(
             "No rank of {groups} failed room {room}: the cause is outside the group (decode side, network, router). Abort the request."

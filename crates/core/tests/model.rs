@@ -85,7 +85,9 @@ fn op() -> impl Strategy<Value = Op> {
             .prop_map(|(g, r, reason, source)| Op::Certify { g, r, reason, source }),
         4 => (0..2usize, 0u32..4, 0..ROOMS.len(), any::<bool>())
             .prop_map(|(g, r, room, local)| Op::Record { g, r, room, local }),
-        2 => (0usize..8).prop_map(Op::Deliver),
+        // Two kinds of writes wait here (certificates and window ends): delivered often enough
+        // that both replicas are current at a fifth of the steps.
+        4 => (0usize..8).prop_map(Op::Deliver),
         1 => Just(Op::Compact),
         1 => (0usize..2).prop_map(Op::Lag),
         1 => (0usize..2).prop_map(Op::Resume),
@@ -155,7 +157,7 @@ impl Model {
                 outputs.extend(rep.index.handle_timeout(self.w.now));
             }
             for o in outputs {
-                if let Some(c) = coordinator_certificate(o) {
+                if let Some(c) = window_end(o.clone()).or_else(|| coordinator_certificate(o)) {
                     self.pending.push(c);
                 }
             }
@@ -193,6 +195,22 @@ fn coordinator_certificate(o: Output) -> Option<PendingCertificate> {
     let down = o.into_coordinator_certificate()?;
     let key = key_down(down.group.as_str(), down.rank, down.incarnation.lease_id());
     Some((key, serde_json::to_string(&down).unwrap()))
+}
+
+/// The end key a replica writes when its clock sees a window end (`sync.rs`).
+fn window_end(o: Output) -> Option<PendingCertificate> {
+    let Output::WindowEnded {
+        window,
+        opened_revision,
+        length_ms,
+        ..
+    } = o
+    else {
+        return None;
+    };
+    let key = rootrank_core::Keys::new("/rootrank/v1").window_end(&window);
+    let value = serde_json::json!({"v":1,"opened_revision":opened_revision,"length_ms":length_ms});
+    Some((key, value.to_string()))
 }
 
 /// Everything a client can read from a replica, as bytes.

@@ -616,51 +616,92 @@ fn rule7_a_victim_alone_is_named_once_nothing_else_can_show_up_and_stays_named()
 }
 
 #[test]
-fn a_room_resolved_by_time_is_announced_at_its_deadline_without_a_new_event() {
-    // A victim is named only once its window passed: nothing in etcd changes then, so the
-    // index says when (`poll_timeout`) and announces it when the shell calls back.
+fn a_window_ends_when_its_end_key_lands_not_at_a_local_deadline() {
+    // A victim is named only once its window passed. The index says when its clock sees
+    // that (`poll_timeout`); the shell writes the window's end key; the room resolves at the
+    // revision that key landed at, on every replica alike.
     let mut w = World::new();
+    w.coordinator_writes = false; // this test is the shell
     group_of_four(&mut w);
     w.record(G, 2, 63, "propagated", "other");
     w.certify(G, 2, "peer_lost", "agent");
-    let deadline = w.index.poll_timeout().expect("a pending room has a deadline");
-    assert_eq!(
-        deadline,
-        w.now + 6_001,
-        "the slowest TTL (5 s) + 1 s after the victim's death, inclusive"
-    );
+    let victim_end = w.now + 6_001;
+    let deadline = w.index.poll_timeout().expect("open windows have deadlines");
+    assert!(deadline <= victim_end, "{deadline} vs {victim_end}");
     assert!(
         w.index.handle_timeout(deadline - 1).is_empty(),
         "nothing before the deadline"
     );
-    let revision = w.index.revision();
-    let out = w.index.handle_timeout(deadline);
-    let resolved: Vec<_> = out
+    let out = w.index.handle_timeout(victim_end);
+    let ends: Vec<_> = out
         .iter()
         .filter_map(|o| match o {
-            Output::RoomResolved {
-                room,
-                rank,
-                reason,
-                revision,
-                ..
-            } => Some((room.get(), *rank, reason.as_str().to_string(), *revision)),
+            Output::WindowEnded { window, .. } => Some(window.clone()),
             _ => None,
         })
         .collect();
-    assert_eq!(resolved, vec![(63, 2, "peer_lost".to_string(), revision)]);
-    assert_eq!(w.index.poll_timeout(), None, "nothing left pending");
-    assert!(w.index.handle_timeout(deadline + 10_000).is_empty(), "announced once");
+    assert!(
+        ends.iter().any(|e| matches!(e, rootrank_core::Window::Victim(_, 2, _))),
+        "{ends:?}"
+    );
+    assert!(!out.iter().any(|o| matches!(o, Output::RoomResolved { .. })), "{out:?}");
+    w.now = victim_end + 60_000;
+    assert_eq!(
+        w.verdict(63, None).status,
+        Status::Pending,
+        "no end key in etcd yet: still pending, whatever this clock says"
+    );
+    let before = w.outputs.len();
+    for o in &out {
+        w.write_window_end(o);
+    }
+    let end_revision = w.rev;
+    let resolved: Vec<_> = w.outputs[before..]
+        .iter()
+        .filter_map(|o| match o {
+            Output::RoomResolved { room, rank, reason, .. } => Some((room.get(), *rank, reason.as_str().to_string())),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(resolved, vec![(63, 2, "peer_lost".to_string())]);
+    assert!(w.index.revision() <= end_revision);
+    assert!(
+        w.index.handle_timeout(w.now + 10_000).iter().all(|o| !matches!(
+            o,
+            Output::WindowEnded {
+                window: rootrank_core::Window::Victim(..),
+                ..
+            }
+        )),
+        "asked once"
+    );
 
-    // A room nobody can resolve any more (no candidate at all) just stops being pending.
+    // A room nobody can resolve any more (no candidate at all) turns unknown when its end
+    // key lands, and only then.
     let mut w = World::new();
+    w.coordinator_writes = false;
     group_of_four(&mut w);
     w.record(G, 1, 64, "propagated", "other");
     let deadline = w.index.poll_timeout().expect("pending");
     let out = w.index.handle_timeout(deadline);
-    assert!(!out.iter().any(|o| matches!(o, Output::RoomResolved { .. })), "{out:?}");
-    assert_eq!(w.index.poll_timeout(), None);
-    w.now = deadline;
+    assert!(
+        out.iter().any(|o| matches!(
+            o,
+            Output::WindowEnded {
+                window: rootrank_core::Window::Room(_),
+                ..
+            }
+        )),
+        "{out:?}"
+    );
+    w.now = deadline + 3_600_000;
+    assert_eq!(w.verdict(64, None).status, Status::Pending);
+    for o in &out {
+        w.write_window_end(o);
+    }
+    assert_eq!(w.verdict(64, None).status, Status::Unknown);
+    // A death after the end key is no candidate, however soon after on anyone's clock.
+    w.vanish(G, 3);
     assert_eq!(w.verdict(64, None).status, Status::Unknown);
 }
 
@@ -1054,5 +1095,81 @@ fn a_group_etcd_holds_nothing_for_is_forgotten() {
     assert_eq!(
         format!("{:?}", w.verdict(777, None)),
         format!("{:?}", verdict_of(&snapshot_index(&w), 777, None, w.now))
+    );
+}
+
+/// Issue 28: a writer's clock decides nothing. The survivor records the generic error with
+/// its clock from 10 minutes behind to 10 minutes ahead; a sibling dies 0.1 s later (its
+/// lease runs out), and a second sibling's agent, its clock as skewed, certifies its own
+/// death after the room's window ended. Every skew gives the answer of no skew.
+#[test]
+fn writers_clocks_skewed_by_ten_minutes_either_way_change_no_verdict() {
+    let answer = |skew_ms: i64| {
+        let mut w = World::new();
+        group_of_four(&mut w);
+        let at = rootrank_core::time::format_ms(w.now + skew_ms);
+        let v = serde_json::json!({"v":1,"group":G,"rank":0,"room":"90","origin":"propagated","reason":"other",
+            "detail":"NIXL KVSender Exception","at":at,"incarnation":w.incarnation(G, 0).to_string(),"peer":null});
+        w.put_raw(&key_room(G, 90, 0), v.to_string().into_bytes(), 0);
+        let pending = w.verdict(90, None).status;
+        w.advance(100);
+        w.vanish(G, 1);
+        let first = w.verdict(90, None);
+        w.advance(10_000); // past the room's window: its end key is written
+        let late_at = rootrank_core::time::format_ms(w.now + skew_ms - 20_000);
+        let inc = w.incarnation(G, 2);
+        let down = serde_json::json!({"v":1,"group":G,"rank":2,"incarnation":inc.to_string(),"reason":"oom_host",
+            "detail":"killed","source":"agent","at":late_at,"exit":null,"log_tail":null});
+        w.put_raw(&key_down(G, 2, inc), down.to_string().into_bytes(), 0);
+        let last = w.verdict(90, None);
+        let c = last.culprit.as_ref().map(|c| (c.rank, c.reason.as_str().to_string()));
+        (pending, first.status, last.status, c)
+    };
+    let straight = answer(0);
+    assert_eq!(
+        straight,
+        (
+            Status::Pending,
+            Status::Resolved,
+            Status::Resolved,
+            Some((1, "lease_expired".to_string()))
+        )
+    );
+    for skew in [-600_000, -60_000, -10_000, 10_000, 60_000, 600_000] {
+        assert_eq!(answer(skew), straight, "writers {skew} ms off");
+    }
+}
+
+/// The death window counts by the revision of a death's end key, not by `at`: a death six
+/// minutes old (its end key written) is no candidate of a room recorded now, even when the
+/// certificate's `at` claims it happened a second ago; a fresh one is, whatever its `at`.
+#[test]
+fn the_death_window_is_measured_here_not_by_the_certificates_at() {
+    let mut w = World::new();
+    group_of_four(&mut w);
+    let inc = w.incarnation(G, 3);
+    let down = serde_json::json!({"v":1,"group":G,"rank":3,"incarnation":inc.to_string(),"reason":"oom_host",
+        "detail":"killed","source":"agent","at":rootrank_core::time::format_ms(w.now - 3_600_000),"exit":null,"log_tail":null});
+    w.put_raw(&key_down(G, 3, inc), down.to_string().into_bytes(), 0);
+    w.advance(1_000);
+    w.record(G, 0, 91, "propagated", "other");
+    let c = w
+        .verdict(91, None)
+        .culprit
+        .expect("a fresh death counts, whatever its at says");
+    assert_eq!(c.rank, 3);
+    w.advance(360_000); // the death window's end key is written
+    w.record(G, 1, 92, "propagated", "other");
+    w.advance(10_000);
+    assert_eq!(
+        w.verdict(92, None).status,
+        Status::Unknown,
+        "{}",
+        w.verdict(92, None).explain
+    );
+    assert_eq!(
+        w.verdict(91, None).culprit.map(|c| c.rank),
+        Some(3),
+        "resolved is final"
     );
 }

@@ -148,7 +148,7 @@ pub async fn follow(access: &EtcdAccess, prefix: &str, readers: usize, mirror: &
 async fn load(client: &Client, prefix: &str, readers: usize, mirror: &mut impl Mirror) -> Input {
     mirror.snapshot_started();
     let started = Instant::now();
-    match crate::snapshot_pages(client, prefix, crate::unix_ms(), readers, |page| {
+    match crate::snapshot_pages(client, prefix, crate::monotonic_ms(), readers, |page| {
         mirror.snapshot_page(page)
     })
     .await
@@ -208,7 +208,7 @@ async fn next_message(watch: &mut Option<WatchStream>) -> Result<Option<WatchRes
 
 /// The follower's summary of a response, and its events as the core's [`Event`]s.
 fn summarize(m: WatchResponse) -> (Input, Vec<Event>) {
-    let now = crate::unix_ms();
+    let now = crate::monotonic_ms();
     let mut last = None;
     let mut events = Vec::with_capacity(m.events().len());
     for ev in m.events() {

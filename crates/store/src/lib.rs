@@ -539,8 +539,18 @@ fn os_random_seed() -> u64 {
     h.finish()
 }
 
-/// Milliseconds since the Unix epoch, for `at` fields and observation stamps. The shells read
-/// the clock; the core never does.
+/// The clock observations are stamped with (when a revision was applied) and windows are
+/// measured on (SPEC v4 section 4): monotonic, so a wall-clock step (NTP, an operator's
+/// `date -s`) neither opens nor closes a window, and anchored at the wall clock of its first
+/// reading, so its stamps read as times for people.
+pub fn monotonic_ms() -> i64 {
+    static ANCHOR: std::sync::OnceLock<(std::time::Instant, i64)> = std::sync::OnceLock::new();
+    let (start, wall) = ANCHOR.get_or_init(|| (std::time::Instant::now(), unix_ms()));
+    wall.saturating_add(i64::try_from(start.elapsed().as_millis()).unwrap_or(i64::MAX))
+}
+
+/// Milliseconds since the Unix epoch, for `at` fields (which are for people). The shells
+/// read the clock; the core never does.
 pub fn unix_ms() -> i64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)

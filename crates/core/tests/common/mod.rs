@@ -67,9 +67,36 @@ impl World {
         }
     }
 
+    /// Time passes; as the coordinator does at its deadlines (`sync.rs`), the windows that
+    /// ended are written as end keys, create-only (when `coordinator_writes`).
     pub fn advance(&mut self, ms: i64) -> &mut Self {
         self.now += ms;
+        if self.coordinator_writes {
+            let due = self.index.handle_timeout(self.now);
+            self.outputs.extend(due.iter().cloned());
+            for o in due {
+                self.write_window_end(&o);
+            }
+        }
         self
+    }
+
+    /// Exactly what the coordinator writes for an `Output::WindowEnded`, create-only.
+    pub fn write_window_end(&mut self, o: &Output) {
+        let Output::WindowEnded {
+            window,
+            opened_revision,
+            length_ms,
+            ..
+        } = o
+        else {
+            return;
+        };
+        let k = rootrank_core::Keys::new("/rootrank/v1").window_end(window);
+        if !self.kv.contains_key(&k) {
+            let v = json!({"v":1,"opened_revision":opened_revision,"length_ms":length_ms,"by":"model"});
+            self.put_raw(&k, v.to_string().into_bytes(), 0);
+        }
     }
 
     fn emit(&mut self, ev: Event) {
