@@ -11,7 +11,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rootrank_core::{Event, Index, KeyKind, Keys, Output, Window, WindowEnd};
+use rootrank_core::{Event, Index, KeyKind, Keys, Output, Window};
 use rootrank_store::{LazyClient, Mirror, RetainedWriter, SnapshotStats, Written};
 use tokio::sync::mpsc;
 use tracing::{debug, info, info_span, warn, Instrument};
@@ -360,25 +360,14 @@ async fn certificate_writer(config: CoordinatorConfig, mut rx: mpsc::UnboundedRe
         let mut certificates: Vec<(String, Vec<u8>)> = Vec::new();
         let mut ends: Vec<(String, Vec<u8>)> = Vec::new();
         for o in outputs.drain(..) {
-            if let Output::WindowEnded {
-                window,
-                opened_revision,
-                length_ms,
-                ..
-            } = &o
-            {
-                let value = WindowEnd {
-                    v: 1,
-                    opened_revision: *opened_revision,
-                    length_ms: *length_ms,
-                    by: Some(by.clone()),
-                };
-                if let Ok(v) = serde_json::to_vec(&value) {
-                    ends.push((keys.window_end(window), v));
+            if matches!(o, Output::WindowEnded { .. }) {
+                if let Some((window, mut end)) = o.into_window_end() {
+                    end.by = Some(by.clone());
+                    if let Ok(v) = serde_json::to_vec(&end) {
+                        ends.push((keys.window_end(&window), v));
+                    }
                 }
-                continue;
-            }
-            if let Some(down) = o.into_coordinator_certificate() {
+            } else if let Some(down) = o.into_coordinator_certificate() {
                 let key = keys.down(&down.group, down.rank, down.incarnation);
                 // A RankDown of strings and integers always serializes.
                 if let Ok(value) = serde_json::to_vec(&down) {
@@ -386,23 +375,21 @@ async fn certificate_writer(config: CoordinatorConfig, mut rx: mpsc::UnboundedRe
                 }
             }
         }
-        if !certificates.is_empty() {
-            let batch: Vec<(&str, &[u8])> = certificates.iter().map(|(k, v)| (k.as_str(), v.as_slice())).collect();
-            let written = writer
-                .write_records(&batch, None)
-                .instrument(info_span!("certificates", count = batch.len()))
-                .await;
-            let new = written.iter().filter(|w| **w == Written::Yes).count();
-            debug!(certificates = batch.len(), new, "lease_expired certificates written");
-        }
-        if !ends.is_empty() {
-            let batch: Vec<(&str, &[u8])> = ends.iter().map(|(k, v)| (k.as_str(), v.as_slice())).collect();
-            let written = window_writer
-                .write_records(&batch, None)
-                .instrument(info_span!("window_ends", count = batch.len()))
-                .await;
-            let new = written.iter().filter(|w| **w == Written::Yes).count();
-            debug!(windows = batch.len(), new, "window end keys written");
-        }
+        write_batch(&mut writer, &certificates, "lease_expired certificates").await;
+        write_batch(&mut window_writer, &ends, "window end keys").await;
     }
+}
+
+/// Writes one kind of record create-only, in as few transactions as etcd's limits allow.
+async fn write_batch(writer: &mut RetainedWriter, records: &[(String, Vec<u8>)], what: &'static str) {
+    if records.is_empty() {
+        return;
+    }
+    let batch: Vec<(&str, &[u8])> = records.iter().map(|(k, v)| (k.as_str(), v.as_slice())).collect();
+    let written = writer
+        .write_records(&batch, None)
+        .instrument(info_span!("write_batch", what, count = batch.len()))
+        .await;
+    let new = written.iter().filter(|w| **w == Written::Yes).count();
+    debug!(what, count = batch.len(), new, "written");
 }

@@ -162,6 +162,27 @@ pub enum Output {
 }
 
 impl Output {
+    /// The end key a coordinator writes for a window its clock saw end (create-only; the
+    /// shell may add `by`), as `(window, value)`. `None` for any other output.
+    pub fn into_window_end(self) -> Option<(crate::Window, crate::WindowEnd)> {
+        let Output::WindowEnded {
+            window,
+            opened_revision,
+            length_ms,
+            ..
+        } = self
+        else {
+            return None;
+        };
+        let end = crate::WindowEnd {
+            v: crate::records::SCHEMA_VERSION,
+            opened_revision,
+            length_ms,
+            by: None,
+        };
+        Some((window, end))
+    }
+
     /// The certificate the coordinator persists for a vanished live key (`source:
     /// coordinator`, `lease_expired`, create-if-absent): what every replica and every restart
     /// then reads of that death. `None` for any other output.
@@ -1315,8 +1336,8 @@ impl Index {
         }
         let (group, rank, reason, source) = resolved;
         let log_revision = self.decision_revision(&decision, room).max(first_revision);
-        // A victim is named only once its window passed, at whatever event came next: not a
-        // revision etcd state can tell (see `Index::catch_up`).
+        // A victim is named only once its window passed: when its end key lands (a catch-up
+        // still places it by `resolved_by_victim`, see `views.rs`).
         let by_victim = matches!(decision.last(), crate::verdict::Decision::Death { key }
             if self.deaths.get(key).is_some_and(|d| d.victim));
         if let Some(entry) = self.rooms.get_mut(&room) {

@@ -199,18 +199,9 @@ fn coordinator_certificate(o: Output) -> Option<PendingCertificate> {
 
 /// The end key a replica writes when its clock sees a window end (`sync.rs`).
 fn window_end(o: Output) -> Option<PendingCertificate> {
-    let Output::WindowEnded {
-        window,
-        opened_revision,
-        length_ms,
-        ..
-    } = o
-    else {
-        return None;
-    };
+    let (window, end) = o.into_window_end()?;
     let key = rootrank_core::Keys::new("/rootrank/v1").window_end(&window);
-    let value = serde_json::json!({"v":1,"opened_revision":opened_revision,"length_ms":length_ms});
-    Some((key, value.to_string()))
+    Some((key, serde_json::to_string(&end).unwrap()))
 }
 
 /// Everything a client can read from a replica, as bytes.

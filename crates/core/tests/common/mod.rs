@@ -83,19 +83,12 @@ impl World {
 
     /// Exactly what the coordinator writes for an `Output::WindowEnded`, create-only.
     pub fn write_window_end(&mut self, o: &Output) {
-        let Output::WindowEnded {
-            window,
-            opened_revision,
-            length_ms,
-            ..
-        } = o
-        else {
+        let Some((window, end)) = o.clone().into_window_end() else {
             return;
         };
-        let k = rootrank_core::Keys::new("/rootrank/v1").window_end(window);
+        let k = rootrank_core::Keys::new("/rootrank/v1").window_end(&window);
         if !self.kv.contains_key(&k) {
-            let v = json!({"v":1,"opened_revision":opened_revision,"length_ms":length_ms,"by":"model"});
-            self.put_raw(&k, v.to_string().into_bytes(), 0);
+            self.put_raw(&k, serde_json::to_vec(&end).unwrap(), 0);
         }
     }
 
