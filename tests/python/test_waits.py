@@ -100,6 +100,14 @@ class Events:
         self.thread.join(10)
 
 
+
+def write_at_once(path, text: str):
+    """What a rank process polls for: it must never read the file half written (a rank read
+    '' between write_text's truncate and its write, under load)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
 def _state(coordinator, group, rank):
     status, body = coordinator.http(f"/v1/groups/{group}")
     if status != 200:
@@ -190,7 +198,7 @@ def test_events_resume_from_a_revision_and_name_a_death_and_a_resolved_room(etcd
         assert down["reason"] == "lease_expired", down
         # Rank 0 hits the generic failure for a room: the room resolves on rank 1's death.
         room = 4_242_424_242
-        (tmp / "room").write_text(str(room))
+        write_at_once(tmp / "room", str(room))
         wait_until(lambda: any(e.get("event") == "resolved" and e["verdict"]["room"] == str(room) for e in first.items),
                    20, "resolved event")
         resolved = next(e for e in first.items if e.get("event") == "resolved")
@@ -294,11 +302,11 @@ def test_events_resume_after_a_coordinator_restart_and_miss_nothing(etcd, coordi
             wait_until(lambda: {e["rank"] for e in reader.items if e.get("state") == "live"} == {0, 1}, 20, "ranks 0, 1 live")
         last = max(e["revision"] for e in resumed.items)
         a.kill()
-        (tmp / "down").write_text("1")
+        write_at_once(tmp / "down", "1")
         r1.wait(20)
         r2 = spawn_python(LOOP, {**env, "R": "2"}, tmp / "r2.log")
         room = 7_000_000_007
-        (tmp / "room").write_text(str(room))
+        write_at_once(tmp / "room", str(room))
         wait_until(lambda: any(e.get("event") == "resolved" for e in watched.items), 20, "B resolved the room")
         wait_until(lambda: 2 in {e["rank"] for e in watched.items if e.get("state") == "live"}, 20, "B: rank 2 live")
         assert [e for e in resumed.items if e["revision"] > last] == [], "A was down"
