@@ -16,10 +16,11 @@
 #   nftables iproute2            the partition tests (network namespaces, blackhole rules)
 #   python3-venv                 the wheel's install test
 #   openssl                      certificates for the TLS tests (made per test)
+#   faketime                     libfaketime: rank and coordinator processes with their clocks off
 set -euo pipefail
 
 BUILD=(etcd-server etcd-client protobuf-compiler libprotobuf-dev clang libclang-dev g++)
-TESTS=(prometheus wrk hey chromium nftables iproute2 python3-venv openssl)
+TESTS=(prometheus wrk hey chromium nftables iproute2 python3-venv openssl faketime)
 case "${1:-all}" in
     build) PKGS=("${BUILD[@]}") ;;
     all) PKGS=("${BUILD[@]}" "${TESTS[@]}") ;;

@@ -116,6 +116,7 @@ pub struct Coordinator {
     pub url: String,
     port: u16,
     args: Vec<String>,
+    env: Vec<(String, String)>,
     log: PathBuf,
     _logdir: tempfile::TempDir,
 }
@@ -126,6 +127,15 @@ impl Coordinator {
     /// coordinator exits at once, and it is started again on a new port (never does a test
     /// talk to another test's coordinator: ready means *this* child is listening).
     pub async fn start(endpoint: &str, extra: &[&str]) -> anyhow::Result<Coordinator> {
+        Coordinator::start_with_env(endpoint, extra, &[]).await
+    }
+
+    /// With more environment (e.g. [`crate::clock_skew_env`]: a host whose clock is off).
+    pub async fn start_with_env(
+        endpoint: &str,
+        extra: &[&str],
+        env: &[(String, String)],
+    ) -> anyhow::Result<Coordinator> {
         let mut last = None;
         for _ in 0..5 {
             let port = free_port()?;
@@ -143,6 +153,7 @@ impl Coordinator {
                 url: format!("http://127.0.0.1:{port}"),
                 port,
                 args,
+                env: env.to_vec(),
                 log: logdir.path().join("coordinator.log"),
                 _logdir: logdir,
             };
@@ -164,6 +175,7 @@ impl Coordinator {
         let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.log)?;
         let child = Command::new(rootrank_bin())
             .args(&self.args)
+            .envs(self.env.iter().cloned())
             .env("ROOTRANK_LOG", "info,rootrank_coordinator=debug,rootrank_store=debug")
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
@@ -243,6 +255,19 @@ impl Rank {
         lease_ttl_ms: u64,
         extra: &[String],
     ) -> anyhow::Result<Rank> {
+        Rank::start_with_env(endpoint, group, rank, size, lease_ttl_ms, extra, &[])
+    }
+
+    /// With more flags and environment (e.g. [`crate::clock_skew_env`]).
+    pub fn start_with_env(
+        endpoint: &str,
+        group: &str,
+        rank: u32,
+        size: u32,
+        lease_ttl_ms: u64,
+        extra: &[String],
+        env: &[(String, String)],
+    ) -> anyhow::Result<Rank> {
         let mut child = Command::new(rootrank_bin())
             .args([
                 "rank",
@@ -257,6 +282,7 @@ impl Rank {
             ])
             .args(["--lease-ttl-ms", &lease_ttl_ms.to_string()])
             .args(extra)
+            .envs(env.iter().cloned())
             .env("ROOTRANK_LOG", "warn")
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -387,4 +413,40 @@ where
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+}
+
+/// One room's verdict as two replicas give it at one revision (pinned with `min_revision`),
+/// once `done` holds for it; fails if they differ there. `query` is the verdict's query
+/// string after `?` (e.g. `group=g`).
+async fn ask_verdict(c: &Coordinator, room: u64, query: &str) -> Option<serde_json::Value> {
+    match c.get(&format!("/v1/rooms/{room}/verdict?{query}")).await {
+        Ok((200, v)) => Some(v),
+        _ => None,
+    }
+}
+
+pub async fn agreed_verdict(
+    replicas: [&Coordinator; 2],
+    room: u64,
+    query: &str,
+    timeout: Duration,
+    done: fn(&serde_json::Value) -> bool,
+) -> anyhow::Result<serde_json::Value> {
+    let (a, b) = eventually(
+        timeout,
+        &format!("room {room} settled alike on both replicas"),
+        || async {
+            let rev_a = ask_verdict(replicas[0], room, query).await?["revision"].as_i64()?;
+            let rev_b = ask_verdict(replicas[1], room, query).await?["revision"].as_i64()?;
+            let q = format!("{query}&min_revision={}", rev_a.max(rev_b));
+            let a = ask_verdict(replicas[0], room, &q).await?;
+            let b = ask_verdict(replicas[1], room, &q).await?;
+            (a["revision"] == b["revision"] && done(&a)).then_some((a, b))
+        },
+    )
+    .await?;
+    if a != b {
+        bail!("replicas differ at revision {}:\n{a}\n{b}", a["revision"]);
+    }
+    Ok(a)
 }

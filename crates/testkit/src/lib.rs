@@ -33,11 +33,11 @@ pub mod pki;
 pub use cgroup::MemoryCgroup;
 pub use nixl::nixl_dir;
 pub use sys::{
-    alive, children_of, free_port, listening_tcp_ports, processes_mentioning, promtool_check_metrics,
+    alive, children_of, clock_skew_env, free_port, listening_tcp_ports, processes_mentioning, promtool_check_metrics,
     python_with_rootrank, repo_root, require_root, rootrank_bin, signal, try_signal,
 };
 
 #[cfg(feature = "etcd")]
 pub use browser::Browser;
 #[cfg(feature = "etcd")]
-pub use harness::{eventually, get, scrape_metrics, Coordinator, Etcd, EtcdCluster, Rank};
+pub use harness::{agreed_verdict, eventually, get, scrape_metrics, Coordinator, Etcd, EtcdCluster, Rank};

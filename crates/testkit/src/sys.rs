@@ -193,3 +193,21 @@ pub fn promtool_check_metrics(text: &str) -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+/// libfaketime, from Debian's `faketime` (installed by `scripts/deps.sh`).
+const LIBFAKETIME: &str = "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1";
+
+/// The environment that sets a child process's wall clock `offset_s` seconds off (as on a
+/// host whose NTP is broken), through libfaketime: `SystemTime` moves, `Instant` does not
+/// (`FAKETIME_DONT_FAKE_MONOTONIC`), so timers and timeouts behave. Checked: without the
+/// library, a test fails saying how to get it instead of running with true clocks.
+pub fn clock_skew_env(offset_s: i64) -> anyhow::Result<Vec<(String, String)>> {
+    if !Path::new(LIBFAKETIME).exists() {
+        anyhow::bail!("{LIBFAKETIME} is missing: run scripts/deps.sh (Debian package faketime)");
+    }
+    Ok(vec![
+        ("LD_PRELOAD".into(), LIBFAKETIME.into()),
+        ("FAKETIME".into(), format!("{offset_s:+}")),
+        ("FAKETIME_DONT_FAKE_MONOTONIC".into(), "1".into()),
+    ])
+}
