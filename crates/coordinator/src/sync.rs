@@ -11,12 +11,19 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rootrank_core::{Event, Index, KeyKind, Keys, Output, Window};
+use rootrank_core::{Event, Index, KeyKind, Keys, Output, RankDown, Window, WindowEnd};
 use rootrank_store::{LazyClient, Mirror, RetainedWriter, SnapshotStats, Written};
 use tokio::sync::mpsc;
 use tracing::{debug, info, info_span, warn, Instrument};
 
 use crate::{CoordinatorConfig, Shared};
+
+/// What the writer task persists, create-only: converted where the output is handled, so the
+/// writer only encodes and batches.
+enum ToWrite {
+    Certificate(RankDown),
+    WindowEnd(Window, WindowEnd),
+}
 
 /// Runs forever (until aborted).
 pub async fn run(config: CoordinatorConfig, shared: Arc<Shared>) {
@@ -46,7 +53,7 @@ struct IndexMirror {
     keys: Keys,
     config: CoordinatorConfig,
     shared: Arc<Shared>,
-    cert_tx: mpsc::UnboundedSender<Output>,
+    cert_tx: mpsc::UnboundedSender<ToWrite>,
     logged_invalid: HashSet<String>,
     /// When the last watch ended: deaths found missing at a reload date from then.
     watch_lost_at_ms: i64,
@@ -304,7 +311,9 @@ impl IndexMirror {
                     ..
                 } => {
                     info!(%group, rank, %incarnation, "live key vanished without a certificate: recording lease_expired");
-                    let _ = self.cert_tx.send(o);
+                    if let Some(down) = o.into_coordinator_certificate() {
+                        let _ = self.cert_tx.send(ToWrite::Certificate(down));
+                    }
                 }
                 Output::RankChanged {
                     group,
@@ -325,7 +334,9 @@ impl IndexMirror {
                         ?window,
                         "a window ended on this coordinator's clock: writing its end key"
                     );
-                    let _ = self.cert_tx.send(o);
+                    if let Some((window, end)) = o.into_window_end() {
+                        let _ = self.cert_tx.send(ToWrite::WindowEnd(window, end));
+                    }
                 }
                 Output::Invalid { kind, key, error, .. } => {
                     m.invalid_records.with_label_values(&[kind]).inc();
@@ -345,7 +356,7 @@ impl IndexMirror {
 /// (`write_records`: 128 a transaction), so a mass death (a lease shared by 100,000 keys
 /// revoked) is on record within seconds, not one round trip per death. A window's end is
 /// written create-only by every replica that sees it: the first to land counts.
-async fn certificate_writer(config: CoordinatorConfig, mut rx: mpsc::UnboundedReceiver<Output>) {
+async fn certificate_writer(config: CoordinatorConfig, mut rx: mpsc::UnboundedReceiver<ToWrite>) {
     const MOST_AT_ONCE: usize = 4096;
     let keys = Keys::new(&config.index.prefix);
     let mut writer = RetainedWriter::new(LazyClient::new(config.etcd.clone()), config.retention);
@@ -355,23 +366,23 @@ async fn certificate_writer(config: CoordinatorConfig, mut rx: mpsc::UnboundedRe
     let window_lease = config.retention + Duration::from_millis(config.index.death_window_ms.max(0) as u64);
     let mut window_writer = RetainedWriter::new(LazyClient::new(config.etcd.clone()), window_lease);
     let by = config.listen.to_string();
-    let mut outputs = Vec::with_capacity(MOST_AT_ONCE);
-    while rx.recv_many(&mut outputs, MOST_AT_ONCE).await > 0 {
+    let mut items = Vec::with_capacity(MOST_AT_ONCE);
+    while rx.recv_many(&mut items, MOST_AT_ONCE).await > 0 {
         let mut certificates: Vec<(String, Vec<u8>)> = Vec::new();
         let mut ends: Vec<(String, Vec<u8>)> = Vec::new();
-        for o in outputs.drain(..) {
-            if matches!(o, Output::WindowEnded { .. }) {
-                if let Some((window, mut end)) = o.into_window_end() {
+        for item in items.drain(..) {
+            // Values of strings and integers always serialize.
+            match item {
+                ToWrite::WindowEnd(window, mut end) => {
                     end.by = Some(by.clone());
                     if let Ok(v) = serde_json::to_vec(&end) {
                         ends.push((keys.window_end(&window), v));
                     }
                 }
-            } else if let Some(down) = o.into_coordinator_certificate() {
-                let key = keys.down(&down.group, down.rank, down.incarnation);
-                // A RankDown of strings and integers always serializes.
-                if let Ok(value) = serde_json::to_vec(&down) {
-                    certificates.push((key, value));
+                ToWrite::Certificate(down) => {
+                    if let Ok(v) = serde_json::to_vec(&down) {
+                        certificates.push((keys.down(&down.group, down.rank, down.incarnation), v));
+                    }
                 }
             }
         }
