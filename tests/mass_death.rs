@@ -204,3 +204,97 @@ async fn mass_death(ranks: u32) {
     }
     assert_eq!(groups_body(&a).await, groups_body(&b).await);
 }
+
+/// The node watchdog's follower under the same mass death ("both followers", issue 28): 16,000
+/// live keys of other hosts on one lease revoked under read load. node-watch applies every
+/// delete (its log counts them), and a rank of this host that registers right after the
+/// deletes and is SIGKILLed is certified through its pidfd, as is one that ran before: had
+/// the follower skipped past the deletes or stalled in them, the new rank would not be
+/// watched, and with no coordinator running nothing else certifies it (its lease is 30 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn node_watch_applies_a_mass_death_whole_and_still_certifies_the_ranks_of_its_host() {
+    use rootrank_testkit::node::{wait_certificate, NodeWatch};
+    use rootrank_testkit::Rank;
+    let _one = ONE_AT_A_TIME.lock().await;
+    let etcd = Etcd::start().unwrap();
+    let ep = etcd.endpoint();
+    let ranks = 16_000u32;
+    let mut client = etcd_client::Client::connect([ep.clone()], None).await.unwrap();
+    let lease = client.lease_grant(60, None).await.unwrap().id();
+    let now = rootrank_core::time::format_ms(rootrank_store::unix_ms());
+    let ids: Vec<u32> = (0..ranks).collect();
+    for chunk in ids.chunks(128) {
+        let ops: Vec<TxnOp> = chunk
+            .iter()
+            .map(|i| {
+                let (group, rank) = (format!("fleet-{}", i / GROUP_SIZE), i % GROUP_SIZE);
+                let value = serde_json::json!({
+                    "v": 1, "group": group, "rank": rank, "group_size": GROUP_SIZE,
+                    "role": "prefill", "host": format!("elsewhere-{}", i / GROUP_SIZE), "pid": 1000 + i,
+                    "boot_id": "00000000-0000-0000-0000-000000000000", "started_at": now,
+                    "lease_ttl_ms": 5000, "agent": "rootrank-agent/test", "nixl_agent": null, "gpu": null,
+                });
+                TxnOp::put(
+                    format!("{PREFIX}/groups/{group}/ranks/{rank}/live"),
+                    value.to_string(),
+                    Some(PutOptions::new().with_lease(lease)),
+                )
+            })
+            .collect();
+        client.txn(Txn::new().and_then(ops)).await.unwrap();
+    }
+    let watch = NodeWatch::start(&ep).unwrap();
+    eventually(T, "node-watch loaded", || {
+        let done = watch.log_text().contains("node watchdog loaded the ranks from etcd");
+        async move { done.then_some(()) }
+    })
+    .await
+    .unwrap();
+    assert!(
+        watch.log_text().contains(&format!("live={ranks} ")),
+        "node-watch loaded the fleet: {}",
+        watch.log_text()
+    );
+    let mut before = Rank::start(&ep, "local-0", 0, 2, 30_000).unwrap();
+    watch.wait_watching("local-0", 0, before.pid).await.unwrap();
+
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut load = Vec::new();
+    for _ in 0..3 {
+        let (mut c, stop) = (client.clone(), stop.clone());
+        load.push(tokio::spawn(async move {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let _ = c
+                    .get(PREFIX, Some(GetOptions::new().with_prefix().with_keys_only()))
+                    .await;
+            }
+        }));
+    }
+    let revoked_at = std::time::Instant::now();
+    client.lease_revoke(lease).await.unwrap();
+    let mut after = Rank::start(&ep, "local-0", 1, 2, 30_000).unwrap();
+    watch.wait_watching("local-0", 1, after.pid).await.unwrap();
+    let applied = format!("live_gone_total={ranks} ");
+    eventually(T, "node-watch applied every delete", || {
+        let done = watch.log_text().contains(&applied);
+        async move { done.then_some(()) }
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}; node-watch log:\n{}", watch.log_text()));
+    eprintln!(
+        "node-watch applied {ranks} deletes {:.1} s after the revoke",
+        revoked_at.elapsed().as_secs_f64()
+    );
+    let incarnations = [before.incarnation.clone(), after.incarnation.clone()];
+    before.kill9();
+    after.kill9();
+    for (rank, inc) in incarnations.iter().enumerate() {
+        let cert = wait_certificate(&ep, "local-0", rank as u32, inc).await.unwrap();
+        assert_eq!(cert.value["source"], "watchdog", "rank {rank}: {cert:?}");
+        assert_eq!(cert.value["reason"], "process_exit", "rank {rank}: {cert:?}");
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for l in load {
+        let _ = l.await;
+    }
+}

@@ -133,7 +133,12 @@ fn print_event(ev: &Value, json: bool) {
             s(&ev["group"]),
             s(&ev["rank"]),
             s(&ev["state"]),
-            ev["reason"].as_str().map(|r| format!(" ({r})")).unwrap_or_default()
+            match (ev["reason"].as_str(), ev["certified"].as_bool()) {
+                // v4: a vanished live key, before its certificate says it was a death.
+                (Some(r), Some(false)) => format!(" ({r}, not certified yet)"),
+                (Some(r), _) => format!(" ({r})"),
+                (None, _) => String::new(),
+            }
         ),
         Some("resolved") => {
             let v = &ev["verdict"];

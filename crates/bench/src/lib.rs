@@ -1,6 +1,6 @@
 //! rootrank's benchmark suite: rootrank against its alternatives and its limits, side by side.
 //!
-//! Eleven parts, each runnable alone (`rootrank-bench verdicts --conns 16 --duration 5s`, ...)
+//! Thirteen parts, each runnable alone (`rootrank-bench verdicts --conns 16 --duration 5s`, ...)
 //! or all together (`rootrank-bench all`, which `make bench` runs):
 //!
 //! 1. [`verdicts`]: verdict lookups over HTTP (wrk) vs the same server's `/healthz` (the HTTP
@@ -18,6 +18,10 @@
 //!     each reader, the coordinator's CPU and memory with and without them.
 //! 11. [`security`]: verdicts over HTTPS with a bearer token next to plain HTTP; an agent's
 //!     publish latency over etcd TLS with client certificates next to plain etcd.
+//! 12. [`long_polls`]: what parked long polls cost per record, and a probe's poll latency.
+//! 13. [`mass_death`]: 1,000 / 10,000 / 100,000 live keys on one lease revoked under read
+//!     load: time until all are down on the coordinator, certified in etcd, and applied by
+//!     node-watch; `/readyz` meanwhile; the coordinator's RSS.
 //!
 //! Every figure goes into one JSON file with the machine's facts and the git revision; a
 //! Markdown table and an SVG of the latency distributions are made from it ([`report`]).
@@ -31,6 +35,7 @@ pub mod ingest;
 pub mod keepalive;
 pub mod load;
 pub mod long_polls;
+pub mod mass_death;
 pub mod node_memory;
 pub mod procs;
 pub mod report;
@@ -62,6 +67,7 @@ pub struct Suite {
     pub events: Option<events::EventsCfg>,
     pub security: Option<security::SecurityCfg>,
     pub long_polls: Option<long_polls::LongPollsCfg>,
+    pub mass_death: Option<mass_death::MassDeathCfg>,
 }
 
 impl Suite {
@@ -79,6 +85,7 @@ impl Suite {
             events: Some(events::EventsCfg::full()),
             security: Some(security::SecurityCfg::full()),
             long_polls: Some(long_polls::LongPollsCfg::full()),
+            mass_death: Some(mass_death::MassDeathCfg::full()),
         }
     }
     /// Tiny sizes, seconds long: for `cargo test` and `make bench-smoke`.
@@ -96,6 +103,7 @@ impl Suite {
             events: Some(events::EventsCfg::smoke()),
             security: Some(security::SecurityCfg::smoke()),
             long_polls: Some(long_polls::LongPollsCfg::smoke()),
+            mass_death: Some(mass_death::MassDeathCfg::smoke()),
         }
     }
 }
@@ -138,6 +146,7 @@ pub async fn run(env: &Env, suite: &Suite, mode: &str) -> Value {
     part!("events", suite.events, events::run);
     part!("security", suite.security, security::run);
     part!("long_polls", suite.long_polls, long_polls::run);
+    part!("mass_death", suite.mass_death, mass_death::run);
     let mut results = json!({
         "schema": "rootrank-bench/1",
         "mode": mode,

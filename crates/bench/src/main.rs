@@ -124,6 +124,15 @@ enum Cmd {
         #[command(flatten)]
         out: Out,
     },
+    /// 13. A mass death: live keys on one lease revoked under read load, by size.
+    MassDeath {
+        #[arg(long, value_delimiter = ',', default_value = "1000,10000,100000")]
+        sizes: Vec<usize>,
+        #[arg(long, default_value_t = 3)]
+        readers: usize,
+        #[command(flatten)]
+        out: Out,
+    },
     /// 12. Long polls parked on their rooms while other rooms' records stream in.
     LongPolls {
         #[arg(long, default_value_t = 2_000)]
@@ -464,6 +473,14 @@ fn suite_of(cmd: Cmd) -> anyhow::Result<(Suite, &'static str, PathBuf)> {
             },
             "startup",
             out.out.unwrap_or_else(|| PathBuf::from("bench-results/startup")),
+        ),
+        Cmd::MassDeath { sizes, readers, out } => (
+            Suite {
+                mass_death: Some(rootrank_bench::mass_death::MassDeathCfg { sizes, readers }),
+                ..Suite::default()
+            },
+            "mass-death",
+            out.out.unwrap_or_else(|| PathBuf::from("bench-results/mass-death")),
         ),
         Cmd::LongPolls {
             polls,

@@ -217,6 +217,7 @@ pub fn markdown(results: &Value) -> String {
     events_section(&mut m, &s["events"]);
     security_section(&mut m, &s["security"]);
     long_polls_section(&mut m, &s["long_polls"]);
+    mass_death_section(&mut m, &s["mass_death"]);
     let _ = writeln!(
         m,
         "\nLatency distributions: `latency.svg`. All figures: `results.json`."
@@ -922,4 +923,37 @@ pub fn svg(results: &Value) -> String {
     }
     let _ = writeln!(s, "</svg>");
     s
+}
+
+/// Part 13: a mass death, by size.
+fn mass_death_section(m: &mut String, x: &Value) {
+    let Some(sizes) = x["sizes"].as_array() else {
+        return;
+    };
+    let mib = |v: &Value| num(&json!(f(v) / 1048576.0), 1);
+    let _ = writeln!(
+        m,
+        "\n## 13. Mass death (N live keys on one lease revoked, {} `get --prefix --keys-only` loops on etcd)\n\n| keys | etcd revoke s | all down on the coordinator s | all certified in etcd s | all applied by node-watch s | `/readyz` 200 / other meanwhile | coordinator RSS MiB before / after / peak |\n|---|---|---|---|---|---|---|",
+        x["setup"]["readers"]
+    );
+    for r in sizes {
+        if let Some(e) = r["error"].as_str() {
+            let _ = writeln!(m, "| {} | failed: {e} | | | | | |", r["keys"]);
+            continue;
+        }
+        let _ = writeln!(
+            m,
+            "| {} | {} | {} | {} | {} | {} / {} | {} / {} / {} |",
+            r["keys"],
+            num(&r["revoke_s"], 2),
+            num(&r["all_down_coordinator_s"], 2),
+            num(&r["all_certified_s"], 2),
+            num(&r["all_down_node_watch_s"], 2),
+            r["readyz_during"]["ok_200"],
+            r["readyz_during"]["other"],
+            mib(&r["coordinator_rss_before_bytes"]),
+            mib(&r["coordinator_rss_after_bytes"]),
+            mib(&r["coordinator_rss_peak_bytes"]),
+        );
+    }
 }

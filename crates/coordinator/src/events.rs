@@ -89,6 +89,11 @@ struct RankEvent<'a> {
     /// peer (SGLang's prefill keys a room's decode destinations by it).
     #[serde(skip_serializing_if = "Option::is_none")]
     agent: Option<&'a str>,
+    /// v4, for `down` and `shutdown`: whether a certificate records the death. `false` for a
+    /// vanished live key alone (after an etcd stall it may turn out `lease_lost`); the rank is
+    /// sent again, `true`, when its certificate lands.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    certified: Option<bool>,
 }
 
 #[derive(Serialize)]
@@ -282,6 +287,12 @@ fn encode_rank(
         role: index.group_role(group),
         endpoints: incarnation.map_or(&[], |i| index.rank_endpoints(group, rank, i)),
         agent: incarnation.and_then(|i| index.rank_nixl_agent(group, rank, i)),
+        certified: match state {
+            RankStateKind::Down | RankStateKind::Shutdown => {
+                incarnation.and_then(|i| index.death_certified(group, rank, i))
+            }
+            _ => None,
+        },
     };
     let data = serde_json::to_string(&ev).ok()?;
     Some((revision, vec![group.clone()], data))

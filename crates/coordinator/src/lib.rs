@@ -3,6 +3,8 @@
 //! - [`sync`]: loads the prefix at a revision, watches from revision + 1, re-creates the
 //!   watch after errors and reloads after compaction; applies every event to the index and
 //!   acts on its outputs (metrics, persisting vanished live keys as certificates).
+//! - [`lease_doubt`]: after etcd was silent, a vanished live key is certified only once it is
+//!   known whether its process lived on (`lease_lost`) or died (`lease_expired`).
 //! - [`http`]: the API of SPEC section 6, including long-poll verdicts.
 //! - [`metrics`]: the metrics of SPEC section 8.
 //! - [`events`]: `GET /v1/events`, a bounded ring of rank changes and resolved rooms.
@@ -14,6 +16,7 @@
 pub mod alarms;
 pub mod events;
 pub mod http;
+pub mod lease_doubt;
 pub mod metrics;
 pub mod presence;
 pub mod server;

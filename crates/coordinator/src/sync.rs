@@ -4,7 +4,8 @@
 //!
 //! - A reload after a compaction carries over the ranks that vanished meanwhile as deaths.
 //! - Live keys that vanish without a certificate are persisted as `source: coordinator`
-//!   certificates, create-if-absent, so every replica and every restart sees the same death.
+//!   certificates, create-if-absent, so every replica and every restart sees the same death;
+//!   after etcd was silent, only once [`LeaseDoubt`] knows whether the process lived on.
 
 use std::collections::HashSet;
 use std::sync::atomic::Ordering;
@@ -16,6 +17,7 @@ use rootrank_store::{LazyClient, Mirror, RetainedWriter, SnapshotStats, Written}
 use tokio::sync::mpsc;
 use tracing::{debug, info, info_span, warn, Instrument};
 
+use crate::lease_doubt::LeaseDoubt;
 use crate::{CoordinatorConfig, Shared};
 
 /// What the writer task persists, create-only: converted where the output is handled, so the
@@ -41,6 +43,7 @@ pub async fn run(config: CoordinatorConfig, shared: Arc<Shared>) {
             logged_invalid: HashSet::new(),
             watch_lost_at_ms: rootrank_store::monotonic_ms(),
             fresh: None,
+            doubt: LeaseDoubt::new(),
         };
         rootrank_store::follow(&config.etcd, &prefix, config.snapshot_readers, &mut mirror).await
     }
@@ -59,6 +62,8 @@ struct IndexMirror {
     watch_lost_at_ms: i64,
     /// A snapshot being loaded, with the malformed values it found.
     fresh: Option<(Index, Vec<Output>)>,
+    /// Vanished live keys held after etcd was silent (`lease_lost` or `lease_expired`).
+    doubt: LeaseDoubt,
 }
 
 impl Mirror for IndexMirror {
@@ -174,6 +179,7 @@ impl Mirror for IndexMirror {
             }
         }
         self.handle_outputs(outputs, true);
+        self.settle_doubts(now);
         let rev = self.shared.index.read().map(|i| i.revision()).unwrap_or(0);
         self.shared.revision_tx.send_replace(rev);
         if n >= 1024 {
@@ -188,6 +194,7 @@ impl Mirror for IndexMirror {
 
     fn current(&mut self) {
         self.shared.ready.store(true, Ordering::SeqCst);
+        self.doubt.current(rootrank_store::monotonic_ms());
     }
 
     fn stale(&mut self, _why: &str) {
@@ -195,6 +202,7 @@ impl Mirror for IndexMirror {
         // answers 503 now, and a client moves to another replica.
         self.shared.set_unready();
         self.watch_lost_at_ms = rootrank_store::monotonic_ms();
+        self.doubt.stale(self.watch_lost_at_ms);
     }
 
     fn watch_opening(&mut self, _from_revision: i64, restart: bool) {
@@ -206,7 +214,11 @@ impl Mirror for IndexMirror {
     fn poll_timeout(&self) -> Option<Instant> {
         // A pending room whose window ends resolves (or not) with no new event: the index
         // says when, and is asked again then.
-        let at_ms = self.shared.index.read().ok().and_then(|i| i.poll_timeout())?;
+        let index_at = self.shared.index.read().ok().and_then(|i| i.poll_timeout());
+        let at_ms = match (index_at, self.doubt.poll_timeout()) {
+            (Some(a), Some(b)) => a.min(b),
+            (a, b) => a.or(b)?,
+        };
         let in_ms = u64::try_from(at_ms.saturating_sub(rootrank_store::monotonic_ms())).unwrap_or(0);
         Some(Instant::now() + Duration::from_millis(in_ms))
     }
@@ -215,6 +227,7 @@ impl Mirror for IndexMirror {
     /// long polls woken, as for a new revision.
     fn handle_timeout(&mut self, _now: Instant) {
         let now = rootrank_store::monotonic_ms();
+        self.settle_doubts(now);
         let (outputs, revision) = {
             let Ok(mut idx) = self.shared.index.write() else { return };
             let outputs = idx.handle_timeout(now);
@@ -310,9 +323,20 @@ impl IndexMirror {
                     incarnation,
                     ..
                 } => {
-                    info!(%group, rank, %incarnation, "live key vanished without a certificate: recording lease_expired");
-                    if let Some(down) = o.into_coordinator_certificate() {
-                        let _ = self.cert_tx.send(ToWrite::Certificate(down));
+                    let (group, rank, incarnation) = (group.clone(), *rank, *incarnation);
+                    match self.doubt.vanished(o, rootrank_store::monotonic_ms()) {
+                        Some(o) => {
+                            info!(%group, rank, %incarnation, "live key vanished without a certificate: recording lease_expired");
+                            if let Some(down) = o.into_coordinator_certificate() {
+                                let _ = self.cert_tx.send(ToWrite::Certificate(down));
+                            }
+                        }
+                        None => info!(
+                            %group,
+                            rank,
+                            %incarnation,
+                            "live key vanished right after etcd was silent: certifying it once it is known whether its process lived on"
+                        ),
                     }
                 }
                 Output::RankChanged {
@@ -346,6 +370,28 @@ impl IndexMirror {
                     }
                 }
             }
+        }
+    }
+}
+
+impl IndexMirror {
+    /// Certifies the held vanished keys that are decided now: `lease_lost` when their process
+    /// registered again, `lease_expired` when their hold ran out.
+    fn settle_doubts(&mut self, now: i64) {
+        if self.doubt.held() == 0 {
+            return;
+        }
+        let downs = {
+            let Ok(idx) = self.shared.index.read() else { return };
+            self.doubt.settle(now, |g, r, i| idx.lived_on(g, r, i))
+        };
+        for down in downs {
+            if down.reason.is_lease_lost() {
+                warn!(group = %down.group, rank = down.rank, incarnation = %down.incarnation, detail = %down.detail, "lease lost, not a death: recording lease_lost");
+            } else {
+                info!(group = %down.group, rank = down.rank, incarnation = %down.incarnation, "its process did not register again: recording lease_expired");
+            }
+            let _ = self.cert_tx.send(ToWrite::Certificate(down));
         }
     }
 }
@@ -386,7 +432,7 @@ async fn certificate_writer(config: CoordinatorConfig, mut rx: mpsc::UnboundedRe
                 }
             }
         }
-        write_batch(&mut writer, &certificates, "lease_expired certificates").await;
+        write_batch(&mut writer, &certificates, "coordinator certificates").await;
         write_batch(&mut window_writer, &ends, "window end keys").await;
     }
 }

@@ -167,13 +167,22 @@ impl Reason {
     pub fn as_str(&self) -> &str {
         &self.0
     }
-    /// A clean exit: never a root cause.
     /// A victim's death (SPEC rule 7): never chosen while another candidate could show up.
     pub fn is_peer_lost(&self) -> bool {
         &*self.0 == reasons::PEER_LOST
     }
+    /// A clean exit: never a root cause.
     pub fn is_shutdown(&self) -> bool {
-        &*self.0 == "shutdown"
+        &*self.0 == reasons::SHUTDOWN
+    }
+    /// v4: a lease etcd let run out while it was silent, of a process that lived on: no
+    /// death, so never a root cause (the rank's own records still are).
+    pub fn is_lease_lost(&self) -> bool {
+        &*self.0 == reasons::LEASE_LOST
+    }
+    /// Whether a death of this reason may be a room's culprit at all.
+    pub fn may_be_culprit(&self) -> bool {
+        !self.is_shutdown() && !self.is_lease_lost()
     }
 }
 
@@ -216,6 +225,8 @@ pub mod reasons {
     pub const PEER_LOST: &str = "peer_lost";
     /// v3: the rank is alive but its loop stopped advancing.
     pub const STALLED: &str = "stalled";
+    /// v4: the lease ran out while etcd was silent, and the same process registered again.
+    pub const LEASE_LOST: &str = "lease_lost";
 }
 
 /// A rank's incarnation: the etcd lease id of its live key. A restarted rank is a new one.

@@ -234,6 +234,16 @@ pub(crate) struct LiveEntry {
     pub(crate) registered_at_ms: i64,
 }
 
+/// A dead incarnation's process that registered again ([`Index::lived_on`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LivedOn {
+    /// Its new incarnation, and the revision it registered at.
+    pub incarnation: Incarnation,
+    pub revision: i64,
+    pub pid: u32,
+    pub host: Option<String>,
+}
+
 #[derive(Debug, Default)]
 pub(crate) struct RankState {
     pub(crate) live: Option<Arc<LiveEntry>>,
@@ -300,6 +310,10 @@ pub(crate) struct Death {
     pub(crate) host: Option<String>,
     pub(crate) pid: Option<u32>,
     pub(crate) has_certificate: bool,
+    /// v4: the create revision of its down key (0 while it is a vanished live key only). A
+    /// verdict names no uncertified death: after an etcd stall the coordinator may still
+    /// certify it `lease_lost` (see `rootrank_coordinator::lease_doubt`).
+    pub(crate) certified_revision: i64,
     /// The incarnation's lease TTL as its certificate says (a group's pending window counts
     /// it while the certificate exists); `None` for a death seen only as a vanished key.
     pub(crate) lease_ttl_ms: Option<i64>,
@@ -455,6 +469,33 @@ impl Index {
     /// The etcd revision the index reflects.
     pub fn revision(&self) -> i64 {
         self.revision
+    }
+
+    /// v4: whether the process of a dead incarnation registered again: the rank's live record
+    /// now is a newer incarnation of the same process (same host, boot id, pid namespace, pid
+    /// and agent start time, each of the dead incarnation's live record). Then its lease ran
+    /// out but the process lived on (`lease_lost`). `None` when not, or not known (the dead
+    /// record is no longer in the rank's history, or it lacks host, boot id or pid).
+    pub fn lived_on(&self, group: &GroupId, rank: Rank, dead: Incarnation) -> Option<LivedOn> {
+        let state = self.ranks.get(&(group.clone(), rank))?;
+        let live = state.live.as_ref().filter(|l| l.incarnation != dead)?;
+        let old = state.history.iter().find(|h| h.incarnation == dead)?;
+        let (now, then) = (&live.record, &old.record);
+        let pid = then.pid?;
+        let same = then.host.is_some()
+            && then.boot_id.is_some()
+            && now.host == then.host
+            && now.boot_id == then.boot_id
+            && now.pid == Some(pid)
+            && now.pid_ns == then.pid_ns
+            && now.started_at == then.started_at
+            && live.registered_revision > old.registered_revision;
+        same.then(|| LivedOn {
+            incarnation: live.incarnation,
+            revision: live.registered_revision,
+            pid,
+            host: now.host.clone(),
+        })
     }
 
     /// Rooms currently indexed (for `rootrank_index_rooms`).
@@ -685,7 +726,7 @@ impl Index {
                             .to_string(),
                     ))
                 }
-                Ok(rec) => self.put_down(group, rank, rec, revision, now, out),
+                Ok(rec) => self.put_down(group, rank, rec, (revision, create_revision.min(revision)), now, out),
             },
             KeyKind::Stall { group, rank } => match RankStall::parse(value) {
                 Err(e) => out.push(invalid("stall", e.to_string())),
@@ -998,6 +1039,7 @@ impl Index {
             host: live.record.host.clone(),
             pid: live.record.pid,
             has_certificate: false,
+            certified_revision: 0,
             lease_ttl_ms: None,
             group_size: Some(live.record.group_size),
             role: live.record.role.clone(),
@@ -1033,7 +1075,15 @@ impl Index {
         self.recheck_group(group, revision, now, out);
     }
 
-    fn put_down(&mut self, group: GroupId, rank: Rank, rec: RankDown, revision: i64, now: i64, out: &mut Vec<Output>) {
+    fn put_down(
+        &mut self,
+        group: GroupId,
+        rank: Rank,
+        rec: RankDown,
+        (revision, created): (i64, i64),
+        now: i64,
+        out: &mut Vec<Output>,
+    ) {
         let evidence = match rec.source {
             DownSource::Coordinator => DeathEvidence::CoordinatorCertificate,
             _ => DeathEvidence::Certificate,
@@ -1055,10 +1105,17 @@ impl Index {
                 .deaths
                 .get(&key)
                 .is_some_and(|d| d.evidence < DeathEvidence::Certificate);
-        let reason = if rec.reason.is_shutdown() && seen_dead_first {
-            Reason::well_known(reasons::LEASE_EXPIRED)
-        } else {
-            rec.reason.clone()
+        // Likewise a lease said lost (v4) over a death already certified otherwise: a verdict
+        // may have named it. The coordinator writes `lease_lost` create-only, as the first.
+        let certified_before = self
+            .deaths
+            .get(&key)
+            .filter(|d| d.has_certificate)
+            .map(|d| d.reason.clone());
+        let reason = match certified_before {
+            Some(before) if rec.reason.is_lease_lost() && !before.is_lease_lost() => before,
+            _ if rec.reason.is_shutdown() && seen_dead_first => Reason::well_known(reasons::LEASE_EXPIRED),
+            _ => rec.reason.clone(),
         };
         let reason = self.intern_reason(reason);
         let is_shutdown = reason.is_shutdown();
@@ -1066,12 +1123,16 @@ impl Index {
         // What the rank's state said before, so a certificate that only persists what was
         // known (the coordinator's for a vanished key) is no second change.
         let reason_before = self.deaths.get(&key).map(|d| d.reason.clone());
+        // v4: a death seen as a vanished key only turns certain with its certificate: that is
+        // a change for consumers that act only on certified deaths (the plugin's fail fast).
+        let uncertified_before = self.deaths.get(&key).is_some_and(|d| !d.has_certificate);
         match self.deaths.get_mut(&key) {
             Some(d) if d.evidence > evidence => {
                 // A less specific certificate (the coordinator's) after a specific one: keep
                 // what we know, note only that it is persisted.
                 d.revision = d.revision.min(first_seen);
                 d.has_certificate = true;
+                d.certified_revision = certified_min(d.certified_revision, created);
                 return;
             }
             Some(d) => {
@@ -1103,6 +1164,7 @@ impl Index {
                 d.host = rec.host.or(d.host.take());
                 d.pid = rec.pid.or(d.pid);
                 d.has_certificate = true;
+                d.certified_revision = certified_min(d.certified_revision, created);
                 d.lease_ttl_ms = rec.lease_ttl_ms.map(ttl_ms).or(d.lease_ttl_ms);
                 d.group_size = rec.group_size.or(d.group_size);
                 d.role = rec.role.or(d.role.take());
@@ -1129,6 +1191,7 @@ impl Index {
                         host: rec.host,
                         pid: rec.pid,
                         has_certificate: true,
+                        certified_revision: created,
                         lease_ttl_ms: rec.lease_ttl_ms.map(ttl_ms),
                         group_size: rec.group_size,
                         role: rec.role,
@@ -1157,7 +1220,7 @@ impl Index {
         if let Some(d) = self
             .deaths
             .get(&(group.clone(), rank, rec.incarnation))
-            .filter(|d| current && reason_before.as_ref() != Some(&d.reason))
+            .filter(|d| current && (uncertified_before || reason_before.as_ref() != Some(&d.reason)))
         {
             out.push(Output::RankChanged {
                 group: group.clone(),
@@ -1433,7 +1496,7 @@ impl Index {
                 let d = self
                     .deaths
                     .get(&(g.clone(), *r, *i))
-                    .filter(|d| !d.reason.is_shutdown())?;
+                    .filter(|d| d.reason.may_be_culprit())?;
                 Some((d.seen_ms, d.revision, self.config.death_window_ms))
             }
             crate::Window::Victim(g, r, i) => {
@@ -1515,7 +1578,10 @@ impl Index {
                 .get(&room)
                 .and_then(|e| e.records.get(*idx))
                 .map_or(0, |r| r.revision),
-            crate::verdict::Decision::Death { key } => self.deaths.get(key).map_or(0, |d| d.revision),
+            // A death names a culprit from its certificate on (v4).
+            crate::verdict::Decision::Death { key } => {
+                self.deaths.get(key).map_or(0, |d| d.revision.max(d.certified_revision))
+            }
             _ => 0,
         }
     }
@@ -1553,6 +1619,15 @@ fn note_local(
                 }
             }
         }
+    }
+}
+
+/// The first revision a death was certified at (0: not yet).
+fn certified_min(before: i64, created: i64) -> i64 {
+    if before == 0 {
+        created
+    } else {
+        before.min(created)
     }
 }
 

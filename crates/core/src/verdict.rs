@@ -246,6 +246,11 @@ pub(crate) enum Decision {
     Death {
         key: (GroupId, Rank, Incarnation),
     },
+    /// v4: the first candidate is a live key that vanished and is not certified yet: it may
+    /// still be certified `lease_lost` (no death), so nothing is named until it is.
+    Uncertified {
+        key: (GroupId, Rank, Incarnation),
+    },
     /// A victim died and the rank it lost may still show up (rule 7).
     VictimPending {
         remaining_ms: i64,
@@ -327,7 +332,7 @@ impl Index {
             None => true,
             Some(aged) => scope.first_revision.is_some_and(|first| first < *aged),
         };
-        !d.reason.is_shutdown() && before_end && fresh
+        d.reason.may_be_culprit() && before_end && fresh
     }
 
     /// Deaths that count for a room under rule 2, in revision order.
@@ -451,7 +456,12 @@ impl Index {
             .find(|(_, r)| r.origin == Origin::Local && counts(r.revision));
         let death = deaths.iter().find(|(_, d)| !d.victim && counts(d.revision));
         if let Some(d) = earliest(record.map(|(i, r)| (*i, *r)), death.map(|(k, d)| (*k, *d))) {
-            return Some(d);
+            return Some(match d {
+                Decision::Death { key } if self.deaths.get(&key).is_some_and(|d| d.certified_revision == 0) => {
+                    Decision::Uncertified { key }
+                }
+                d => d,
+            });
         }
         let (key, v) = victim?;
         Some(match settled {
@@ -553,6 +563,8 @@ impl Index {
             Decision::Pending { remaining_ms } | Decision::VictimPending { remaining_ms } => {
                 Some(remaining_ms.saturating_add(1))
             }
+            // Its certificate wakes the poll when it lands; look again now and then meanwhile.
+            Decision::Uncertified { .. } => Some(1000),
             _ => None,
         };
         (decision.status_action().0, changes_in)
@@ -762,7 +774,7 @@ impl Index {
     fn repeat_of(&self, group: &GroupId, rank: Rank, death: bool) -> u32 {
         let n = if death {
             self.deaths_of(group)
-                .filter(|((_, r, _), d)| *r == rank && !d.reason.is_shutdown())
+                .filter(|((_, r, _), d)| *r == rank && d.reason.may_be_culprit())
                 .count() as u32
         } else {
             self.local_records
@@ -779,7 +791,9 @@ impl Decision {
         match self {
             Decision::Record { .. } => (Status::Resolved, Action::Abort),
             Decision::Death { .. } => (Status::Resolved, Action::AbortAndRestartGroup),
-            Decision::Pending { .. } | Decision::VictimPending { .. } => (Status::Pending, Action::Wait),
+            Decision::Pending { .. } | Decision::VictimPending { .. } | Decision::Uncertified { .. } => {
+                (Status::Pending, Action::Wait)
+            }
             Decision::Unknown => (Status::Unknown, Action::Abort),
             Decision::Peer { inner, .. } => inner.status_action(),
         }
@@ -949,6 +963,10 @@ fn explain_decision(
             c.reason,
             c.source,
             one_line(&c.detail)
+        ),
+        (Decision::Uncertified { key }, _) => format!(
+            "{} rank {}'s live key vanished (its lease ran out or was revoked) and its death is not certified yet: a coordinator certifies it at once, or, after etcd was silent, once it knows whether the process lived on (then it is lease_lost, no death). Wait (ask again with wait_ms).",
+            key.0, key.1
         ),
         // The window's length, not what is left of it: the countdown is this replica's own
         // clock, and replicas at one revision answer byte for byte the same.

@@ -525,6 +525,16 @@ impl Index {
             .and_then(|h| h.record.nixl_agent.as_deref())
     }
 
+    /// v4: whether an incarnation's death is on record as a down certificate (`None`: no
+    /// death known). A vanished live key alone is not: after an etcd stall it may still turn
+    /// out `lease_lost` (the process lived on), so a consumer that acts on a death waits for
+    /// `true` (the events stream sends the rank again when its certificate lands).
+    pub fn death_certified(&self, group: &GroupId, rank: Rank, incarnation: Incarnation) -> Option<bool> {
+        self.deaths
+            .get(&(group.clone(), rank, incarnation))
+            .map(|d| d.has_certificate)
+    }
+
     /// The role its ranks registered with (`prefill`, `decode`), when they said.
     pub fn group_role(&self, group: &GroupId) -> Option<&str> {
         self.live_shape(group).1.or_else(|| self.certified_shape(group).1)

@@ -916,6 +916,7 @@ fn v3_the_first_stall_by_revision_is_the_suspect_and_the_others_wait() {
     assert_eq!(w.index.first_stall(&g), Some(0));
     // Rank 0 dies while stalled: down, not stalled; its lease takes the stall key along.
     w.outputs.clear();
+    let inc0 = w.incarnation(G, 0);
     w.vanish(G, 0);
     w.delete_raw(&key_stall(G, 0));
     assert_eq!(states(&w.index)[0], RankStateKind::Down);
@@ -943,7 +944,8 @@ fn v3_the_first_stall_by_revision_is_the_suspect_and_the_others_wait() {
         "{:?}",
         w.outputs
     );
-    // The coordinator's certificate for the vanished key persists the death: no second change.
+    // The coordinator's certificate for the vanished key persists the death: the rank is sent
+    // again (v4: certified now), in the same state and reason.
     assert!(
         w.kv.keys().any(|k| k.contains("/ranks/0/down/")),
         "the world persisted the death"
@@ -962,7 +964,12 @@ fn v3_the_first_stall_by_revision_is_the_suspect_and_the_others_wait() {
             )
         })
         .count();
-    assert_eq!(downs, 1, "{:?}", w.outputs);
+    assert_eq!(downs, 2, "{:?}", w.outputs);
+    assert_eq!(
+        w.index
+            .death_certified(&g, 0, rootrank_core::Incarnation::new(inc0).unwrap()),
+        Some(true)
+    );
     assert_eq!(w.index.first_stall(&g), Some(1));
     assert!(w.index.unhealthy(&[rootrank_core::GroupId::new("nobody").unwrap()])[0]
         .reason
@@ -1023,6 +1030,15 @@ fn a_reload_after_compaction_counts_the_deaths_it_did_not_watch() {
     let out = fresh.carry_vanished_from(&before, lost_at);
     // Rank 1 died; rank 3's old incarnation ended too (replaced); ranks 0 and 2 live on.
     assert_eq!(vanished_ranks(&out), vec![1, 3]);
+    // v4: a vanished key names no culprit before it is certified (it may yet be `lease_lost`).
+    let v = verdict_of(&fresh, 31, Some(G), w.now);
+    assert_eq!(v.status, Status::Pending, "{v:?}");
+    assert!(v.explain.contains("not certified yet"), "{}", v.explain);
+    // The reloading replica certifies what it carried, as it does every vanished key; the
+    // certificate reaches its index through the watch.
+    w.certify(G, 1, "lease_expired", "coordinator");
+    let certificate = w.events.last().cloned().expect("the certificate's event");
+    fresh.apply(certificate);
     let v = verdict_of(&fresh, 31, Some(G), w.now);
     let c = v.culprit.as_ref().expect("a culprit");
     assert_eq!(
@@ -1035,7 +1051,6 @@ fn a_reload_after_compaction_counts_the_deaths_it_did_not_watch() {
     assert_eq!(watched.culprit.as_ref().map(|c| c.rank), Some(1));
     // Once rank 1 is certified (the certificate is in the next snapshot), it is not carried
     // again; rank 3's replaced incarnation still is.
-    w.certify(G, 1, "lease_expired", "coordinator");
     let again = snapshot_index(&w).carry_vanished_from(&before, lost_at);
     assert_eq!(vanished_ranks(&again), vec![3]);
 }
@@ -1171,5 +1186,132 @@ fn the_death_window_is_measured_here_not_by_the_certificates_at() {
         w.verdict(91, None).culprit.map(|c| c.rank),
         Some(3),
         "resolved is final"
+    );
+}
+
+/// The coordinator's certificates for the live keys of `ranks` that vanished since output
+/// `from`, with `reason` (what `rootrank_coordinator::lease_doubt` writes after etcd was silent).
+fn certify_vanished(w: &mut World, from: usize, ranks: &[u32], reason: &str) {
+    let vanished: Vec<Output> = w.outputs[from..]
+        .iter()
+        .filter(|o| matches!(o, Output::LiveKeyVanished { rank, .. } if ranks.contains(rank)))
+        .cloned()
+        .collect();
+    for o in vanished {
+        let mut down = o.into_coordinator_certificate().unwrap();
+        down.reason = rootrank_core::Reason::new(reason).unwrap();
+        let k = key_down(down.group.as_str(), down.rank, down.incarnation.lease_id());
+        w.put_raw(&k, serde_json::to_vec(&down).unwrap(), 0);
+    }
+}
+
+#[test]
+fn v4_a_vanished_live_key_names_no_culprit_until_it_is_certified() {
+    let mut w = World::new();
+    w.coordinator_writes = false; // this test is the coordinator
+    group_of_four(&mut w);
+    w.record(G, 0, 70, "propagated", "other");
+    let from = w.outputs.len();
+    w.vanish(G, 1);
+    w.advance(60_000);
+    let v = w.verdict(70, None);
+    assert_eq!(v.status, Status::Pending, "{}", v.explain);
+    assert!(v.explain.contains("not certified yet"), "{}", v.explain);
+    certify_vanished(&mut w, from, &[1], "lease_expired");
+    let v = w.verdict(70, None);
+    assert_eq!(v.status, Status::Resolved, "{}", v.explain);
+    let c = v.culprit.unwrap();
+    assert_eq!((c.rank, c.reason.as_str()), (1, "lease_expired"));
+    // The resolution is announced once, at the certificate's revision.
+    let resolved: Vec<i64> = w.outputs[from..]
+        .iter()
+        .filter_map(|o| match o {
+            Output::RoomResolved { revision, .. } => Some(*revision),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(resolved, vec![w.rev]);
+    // A restarted replica agrees.
+    let snap = snapshot_index(&w);
+    assert_eq!(verdict_of(&snap, 70, None, w.now), w.verdict(70, None));
+}
+
+#[test]
+fn v4_a_lost_lease_is_no_death_but_a_rank_that_died_in_the_stall_still_is() {
+    let mut w = World::new();
+    w.coordinator_writes = false;
+    group_of_four(&mut w);
+    let old: Vec<i64> = (0..4).map(|r| w.incarnation(G, r)).collect();
+    // Rooms in flight when etcd stalled: rank 0 saw only the generic error of 71; rank 2
+    // failed 72 itself.
+    w.record(G, 0, 71, "propagated", "other");
+    w.record(G, 2, 72, "local", "nixl_error");
+    // etcd resumes: every lease ran out. Ranks 0-2's processes register again; rank 3 died.
+    let from = w.outputs.len();
+    for r in 0..4 {
+        w.vanish(G, r);
+    }
+    let still_in_doubt = w.verdict(71, None);
+    assert_eq!(still_in_doubt.status, Status::Pending, "{}", still_in_doubt.explain);
+    for r in 0..3 {
+        w.register_again(G, r, 4, 5000);
+    }
+    let g = rootrank_core::GroupId::new(G).unwrap();
+    for r in 0..3 {
+        let inc = rootrank_core::Incarnation::new(old[r as usize]).unwrap();
+        let lived = w.index.lived_on(&g, r, inc).expect("the same process registered again");
+        assert_eq!(lived.pid, 1000 + r);
+    }
+    let rank3 = rootrank_core::Incarnation::new(old[3]).unwrap();
+    assert_eq!(w.index.lived_on(&g, 3, rank3), None, "rank 3 did not come back");
+    // What the coordinator writes then: lease_lost for 0-2, lease_expired for 3 (later: its
+    // hold runs out).
+    certify_vanished(&mut w, from, &[0, 1, 2], "lease_lost");
+    let v = w.verdict(71, None);
+    assert_eq!(v.status, Status::Pending, "rank 3 is not certified yet: {}", v.explain);
+    certify_vanished(&mut w, from, &[3], "lease_expired");
+
+    let v = w.verdict(71, None);
+    assert_eq!(v.status, Status::Resolved, "{}", v.explain);
+    let c = v.culprit.unwrap();
+    assert_eq!(
+        (c.rank, c.reason.as_str()),
+        (3, "lease_expired"),
+        "never a rank that lived on"
+    );
+    let c = w.verdict(72, None).culprit.unwrap();
+    assert_eq!(
+        (c.rank, c.reason.as_str()),
+        (2, "nixl_error"),
+        "its own record still counts"
+    );
+
+    // A group where every lease was lost and nobody died: no culprit, ever.
+    let mut w = World::new();
+    w.coordinator_writes = false;
+    group_of_four(&mut w);
+    w.record(G, 0, 73, "propagated", "other");
+    let from = w.outputs.len();
+    for r in 0..4 {
+        w.vanish(G, r);
+        w.register_again(G, r, 4, 5000);
+    }
+    certify_vanished(&mut w, from, &[0, 1, 2, 3], "lease_lost");
+    w.advance(6_001);
+    let ends: Vec<Output> = w.index.handle_timeout(w.now);
+    for o in &ends {
+        w.write_window_end(o);
+    }
+    let v = w.verdict(73, None);
+    assert_eq!(v.status, Status::Unknown, "{}", v.explain);
+    assert!(v.culprit.is_none());
+    // A process that really restarted is no lease lost (a new start time).
+    let inc = w.incarnation(G, 1);
+    w.vanish(G, 1);
+    w.register(G, 1, 4, 5000);
+    let g = rootrank_core::GroupId::new(G).unwrap();
+    assert_eq!(
+        w.index.lived_on(&g, 1, rootrank_core::Incarnation::new(inc).unwrap()),
+        None
     );
 }

@@ -119,6 +119,7 @@ pub(crate) async fn run(etcd: rootrank_store::EtcdAccess, prefix: String, tx: mp
         keys,
         tx,
         loading: None,
+        live_gone_total: 0,
     };
     // One snapshot reader: a watchdog runs on every host, so its memory (pages in flight)
     // matters more than the second or so parallel readers would save.
@@ -131,6 +132,9 @@ struct RankMirror {
     tx: mpsc::UnboundedSender<SyncMsg>,
     /// A snapshot being read: live keys, certificate ids, stall records without a stack.
     loading: Option<(Vec<LiveKv>, HashSet<IncarnationId>, Vec<StallKv>)>,
+    /// Live keys deleted since this process started (any host's): in the log with each batch,
+    /// so a mass death can be seen applied whole (`rootrank-bench mass-death`).
+    live_gone_total: u64,
 }
 
 impl Mirror for RankMirror {
@@ -187,6 +191,8 @@ impl Mirror for RankMirror {
     }
 
     fn apply(&mut self, events: Vec<Event>) {
+        let (n, gone_before) = (events.len(), self.live_gone_total);
+        let revision = events.last().map_or(0, Event::revision);
         for event in events {
             let msg = match event {
                 Event::Put {
@@ -203,13 +209,34 @@ impl Mirror for RankMirror {
                     })
                     .or_else(|| down_id(&self.keys, &key).map(SyncMsg::Certified)),
                 Event::Delete { key, .. } => match self.keys.parse(&key) {
-                    Some(KeyKind::Live { group, rank }) => Some(SyncMsg::LiveGone { group, rank }),
+                    Some(KeyKind::Live { group, rank }) => {
+                        self.live_gone_total += 1;
+                        Some(SyncMsg::LiveGone { group, rank })
+                    }
                     _ => down_id(&self.keys, &key).map(SyncMsg::CertificateGone),
                 },
             };
             if let Some(m) = msg {
                 let _ = self.tx.send(m);
             }
+        }
+        let gone = self.live_gone_total - gone_before;
+        if n >= 1024 || gone >= 100 {
+            info!(
+                events = n,
+                live_gone = gone,
+                live_gone_total = self.live_gone_total,
+                revision,
+                "applied a large batch of etcd events"
+            );
+        } else {
+            debug!(
+                events = n,
+                live_gone = gone,
+                live_gone_total = self.live_gone_total,
+                revision,
+                "applied etcd events"
+            );
         }
     }
 

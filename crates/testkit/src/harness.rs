@@ -374,6 +374,33 @@ pub async fn get(url: &str) -> anyhow::Result<(u16, serde_json::Value)> {
     Ok((status, body))
 }
 
+/// The events `GET {url}/v1/events?since=SINCE` streams within `within`: each SSE `data:`
+/// line, parsed.
+pub async fn events_within(url: &str, since: i64, within: Duration) -> anyhow::Result<Vec<serde_json::Value>> {
+    let client = rootrank_tls::http_client(None)?.build()?;
+    let mut resp = client.get(format!("{url}/v1/events?since={since}")).send().await?;
+    if !resp.status().is_success() {
+        bail!(
+            "/v1/events answered {}: {}",
+            resp.status(),
+            resp.text().await.unwrap_or_default()
+        );
+    }
+    let deadline = tokio::time::Instant::now() + within;
+    let mut text = Vec::new();
+    while let Ok(chunk) = tokio::time::timeout_at(deadline, resp.chunk()).await {
+        match chunk? {
+            Some(c) => text.extend_from_slice(&c),
+            None => break,
+        }
+    }
+    String::from_utf8_lossy(&text)
+        .lines()
+        .filter_map(|l| l.strip_prefix("data:"))
+        .map(|d| serde_json::from_str(d.trim()).with_context(|| format!("an event that is not JSON: {d}")))
+        .collect()
+}
+
 /// `GET http://ADDR/metrics`: the text exposition, an error unless it is a 200 in the
 /// Prometheus text format.
 pub async fn scrape_metrics(addr: &str) -> anyhow::Result<String> {

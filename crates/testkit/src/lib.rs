@@ -40,4 +40,6 @@ pub use sys::{
 #[cfg(feature = "etcd")]
 pub use browser::Browser;
 #[cfg(feature = "etcd")]
-pub use harness::{agreed_verdict, eventually, get, scrape_metrics, Coordinator, Etcd, EtcdCluster, Rank};
+pub use harness::{
+    agreed_verdict, events_within, eventually, get, scrape_metrics, Coordinator, Etcd, EtcdCluster, Rank,
+};

@@ -30,6 +30,8 @@ pub struct World {
     pub outputs: Vec<Output>,
     /// Emulate the coordinator persisting vanished live keys as certificates.
     pub coordinator_writes: bool,
+    /// When each rank's current process started (its live records' `started_at`).
+    started_of: BTreeMap<(String, u32), String>,
 }
 
 pub fn key_live(g: &str, r: u32) -> String {
@@ -64,6 +66,7 @@ impl World {
             size_of: BTreeMap::new(),
             outputs: Vec::new(),
             coordinator_writes: true,
+            started_of: BTreeMap::new(),
         }
     }
 
@@ -151,11 +154,22 @@ impl World {
 
     /// The same, naming the rank's NIXL agent in its live record.
     pub fn register_with_agent(&mut self, g: &str, r: u32, size: u32, ttl_ms: u64, nixl_agent: Option<&str>) -> i64 {
+        self.started_of.insert((g.to_string(), r), time::format_ms(self.now));
+        self.register_process(g, r, size, ttl_ms, nixl_agent)
+    }
+
+    /// The same process registers a new incarnation (its lease was lost, it lived on).
+    pub fn register_again(&mut self, g: &str, r: u32, size: u32, ttl_ms: u64) -> i64 {
+        self.register_process(g, r, size, ttl_ms, None)
+    }
+
+    fn register_process(&mut self, g: &str, r: u32, size: u32, ttl_ms: u64, nixl_agent: Option<&str>) -> i64 {
+        let started_at = self.started_of.get(&(g.to_string(), r)).cloned().unwrap_or_default();
         self.next_lease += 1;
         let lease = self.next_lease;
         self.leases.insert((g.to_string(), r), lease);
         let v = json!({"v":1,"group":g,"rank":r,"group_size":size,"role":"prefill","host":"host-a","pid":1000 + r,
-            "lease_ttl_ms":ttl_ms,"started_at":time::format_ms(self.now),"agent":"rootrank-agent/0.1.0","nixl_agent":nixl_agent});
+            "boot_id":"boot-a","lease_ttl_ms":ttl_ms,"started_at":started_at,"agent":"rootrank-agent/0.1.0","nixl_agent":nixl_agent});
         self.put_raw(&key_live(g, r), v.to_string().into_bytes(), lease);
         self.registered_at_revision.insert(lease, self.rev);
         self.ttl_of.insert(lease, ttl_ms);

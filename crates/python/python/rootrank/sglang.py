@@ -455,7 +455,7 @@ class _Plugin:
                 for ev in client.events(since, stop=self.fail_fast_stop):
                     since = ev.get("revision", since)
                     kind = ev.get("event")
-                    if kind == "rank" and ev.get("state") == "down":
+                    if kind == "rank" and ev.get("state") == "down" and _certain_death(ev):
                         self.on_peer_down(ev)
                     elif kind == "rank" and ev.get("state") == "live":
                         self.on_peer_live(ev)
@@ -915,6 +915,16 @@ def _fail_now(kv_mgr: Any, room: int, text: str, told: Optional[Dict[str, Any]] 
     kv_mgr.update_status(room, KVPoll.Failed)
     _stats["fail_fast_rooms"] += 1
     return True
+
+
+def _certain_death(ev: Dict[str, Any]) -> bool:
+    """Whether a ``down`` event is a death to act on. A live key that vanished is sent at once
+    with ``certified: false`` and again when its certificate lands: after an etcd stall longer
+    than the lease TTL every lease runs out, and the coordinator certifies the processes that
+    registered again ``lease_lost`` (no death; they are not sent again, their new incarnation
+    is ``live``). So fail fast waits for the certificate, one etcd write later when etcd was
+    not silent. Coordinators before v4 send no ``certified``: every ``down`` counts."""
+    return ev.get("certified") is not False and ev.get("reason") != "lease_lost"
 
 
 def _with_fail_fast_note(reason: str) -> str:

@@ -1,0 +1,227 @@
+//! When to certify a vanished live key, and as what (SPEC v4, section 5's `lease_lost`).
+//!
+//! A live key vanishes when its lease runs out. Usually its process died; but when etcd itself
+//! stalled for longer than the TTL (SIGSTOPped, a disk that blocks its fsync), every lease
+//! runs out at once on resume, though no rank stopped. This coordinator knows when that can
+//! be: it saw etcd silent. Then it does not certify a vanished key at once: it holds it for
+//! the rank's TTL plus the time an agent takes to notice and re-register, and certifies it
+//! `lease_lost` (cause: etcd) if the same process (same host, boot id and pid) registered
+//! again meanwhile, `lease_expired` otherwise. A verdict names no uncertified death (the core
+//! waits for the certificate), so holding it delays a verdict, and never changes one.
+//!
+//! A sans-IO state machine: the shell (`sync.rs`) reports the watch going stale and current,
+//! passes each vanished key, asks [`LeaseDoubt::poll_timeout`] for its next deadline and calls
+//! [`LeaseDoubt::settle`] then and after each batch of events, with the index's answer to "did
+//! that process register again?".
+
+use rootrank_core::ids::reasons;
+use rootrank_core::{GroupId, Incarnation, LivedOn, Output, Rank, RankDown, Reason};
+
+/// How long after the watch is current again a vanished key is still in doubt: etcd revokes
+/// the leases that ran out during the stall within a second or two of resuming (its lessor
+/// checks every 500 ms); [`EXTEND_MS`] covers a mass expiry, which it revokes 1,000 a second.
+pub const DOUBT_AFTER_RESUME_MS: i64 = 5_000;
+/// Each vanished key held keeps the doubt open this much longer (a revocation burst goes on).
+pub const EXTEND_MS: i64 = 2_000;
+/// The doubt never lasts longer than this after the watch is current again.
+pub const DOUBT_AT_MOST_MS: i64 = 60_000;
+/// How long an agent may take, after its lease runs out, to register again: one keepalive
+/// request's timeout (`rootrank_store::REQUEST_TIMEOUT`) and a second of backoff.
+pub const REREGISTER_MS: i64 = 3_000;
+
+/// Whether a vanished key is held, and until when.
+#[derive(Debug, Default)]
+pub struct LeaseDoubt {
+    /// The watch went stale at (monotonic ms): etcd silent, or cut off from us.
+    stale_since: Option<i64>,
+    /// How long the last silence lasted, for the certificate's detail.
+    last_silence_ms: i64,
+    /// Vanished keys applied before this are held (0: none).
+    doubt_until: i64,
+    /// The last moment the doubt may be extended to.
+    doubt_cap: i64,
+    held: Vec<Held>,
+}
+
+#[derive(Debug)]
+struct Held {
+    due_ms: i64,
+    vanished: Output,
+}
+
+impl LeaseDoubt {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The watch was lost (etcd silent for the follower's limit, or an error).
+    pub fn stale(&mut self, now_ms: i64) {
+        self.stale_since.get_or_insert(now_ms);
+    }
+
+    /// The watch is current again: vanished keys that arrive now may be leases etcd let run
+    /// out while it was silent.
+    pub fn current(&mut self, now_ms: i64) {
+        if let Some(since) = self.stale_since.take() {
+            self.last_silence_ms = now_ms.saturating_sub(since);
+            self.doubt_until = now_ms.saturating_add(DOUBT_AFTER_RESUME_MS);
+            self.doubt_cap = now_ms.saturating_add(DOUBT_AT_MOST_MS);
+        }
+    }
+
+    /// Whether a vanished key seen now is in doubt.
+    pub fn in_doubt(&self, now_ms: i64) -> bool {
+        self.stale_since.is_some() || now_ms < self.doubt_until
+    }
+
+    /// A live key vanished (`Output::LiveKeyVanished`): `Some` to certify now, `None` when it
+    /// is held until [`LeaseDoubt::settle`] releases it.
+    pub fn vanished(&mut self, vanished: Output, now_ms: i64) -> Option<Output> {
+        let Output::LiveKeyVanished { lease_ttl_ms, .. } = &vanished else {
+            return Some(vanished);
+        };
+        if !self.in_doubt(now_ms) {
+            return Some(vanished);
+        }
+        let ttl = lease_ttl_ms.map_or(0, |t| i64::try_from(t).unwrap_or(i64::MAX));
+        let due_ms = now_ms.saturating_add(ttl).saturating_add(REREGISTER_MS);
+        if self.stale_since.is_none() {
+            self.doubt_until = self
+                .doubt_until
+                .max(now_ms.saturating_add(EXTEND_MS))
+                .min(self.doubt_cap);
+        }
+        self.held.push(Held { due_ms, vanished });
+        None
+    }
+
+    /// How many vanished keys are held.
+    pub fn held(&self) -> usize {
+        self.held.len()
+    }
+
+    /// The next moment [`LeaseDoubt::settle`] has something to do.
+    pub fn poll_timeout(&self) -> Option<i64> {
+        self.held.iter().map(|h| h.due_ms).min()
+    }
+
+    /// The certificates to write now: `lease_lost` for each held key whose process registered
+    /// again (`lived_on` asks the index), `lease_expired` for each whose hold ran out.
+    pub fn settle(
+        &mut self,
+        now_ms: i64,
+        lived_on: impl Fn(&GroupId, Rank, Incarnation) -> Option<LivedOn>,
+    ) -> Vec<RankDown> {
+        let mut out = Vec::new();
+        let silence_s = self.last_silence_ms as f64 / 1000.0;
+        self.held.retain(|h| {
+            let Output::LiveKeyVanished {
+                group,
+                rank,
+                incarnation,
+                ..
+            } = &h.vanished
+            else {
+                return false;
+            };
+            let again = lived_on(group, *rank, *incarnation);
+            if again.is_none() && now_ms < h.due_ms {
+                return true;
+            }
+            if let Some(mut down) = h.vanished.clone().into_coordinator_certificate() {
+                if let Some(l) = again {
+                    down.reason = Reason::well_known(reasons::LEASE_LOST);
+                    down.detail = format!(
+                        "its lease ran out after etcd was silent for {silence_s:.1} s (this coordinator heard nothing from it); the same process (pid {}{}) registered again as incarnation {} at revision {}: not a crash",
+                        l.pid,
+                        l.host.map(|h| format!(" on {h}")).unwrap_or_default(),
+                        l.incarnation,
+                        l.revision,
+                    );
+                }
+                out.push(down);
+            }
+            false
+        });
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn vanished(rank: Rank, inc: i64, ttl: u64) -> Output {
+        Output::LiveKeyVanished {
+            group: GroupId::new("g").unwrap(),
+            rank,
+            incarnation: Incarnation::new(inc).unwrap(),
+            revision: 10,
+            at_ms: 0,
+            detail: "its live key vanished".into(),
+            host: Some("h".into()),
+            pid: Some(40 + rank),
+            registered_revision: 2,
+            lease_ttl_ms: Some(ttl),
+            group_size: 4,
+            role: None,
+        }
+    }
+
+    #[test]
+    fn with_etcd_heard_throughout_a_vanished_key_is_certified_at_once() {
+        let mut d = LeaseDoubt::new();
+        assert!(d.vanished(vanished(0, 7, 5000), 1_000).is_some());
+        assert_eq!(d.poll_timeout(), None);
+    }
+
+    #[test]
+    fn after_a_silence_the_process_that_registered_again_lost_its_lease_and_the_other_died() {
+        let mut d = LeaseDoubt::new();
+        d.stale(1_000);
+        d.current(11_000);
+        assert!(d.vanished(vanished(0, 7, 5000), 11_200).is_none());
+        assert!(d.vanished(vanished(1, 8, 5000), 11_300).is_none());
+        assert_eq!(d.poll_timeout(), Some(11_200 + 5000 + REREGISTER_MS));
+        // Rank 0's process registered again; rank 1's did not (yet).
+        let lived_on = |_: &GroupId, rank: Rank, _: Incarnation| {
+            (rank == 0).then(|| LivedOn {
+                incarnation: Incarnation::new(9).unwrap(),
+                revision: 20,
+                pid: 40,
+                host: Some("h".into()),
+            })
+        };
+        let now = d.settle(12_000, lived_on);
+        assert_eq!(now.len(), 1);
+        assert_eq!(now[0].rank, 0);
+        assert_eq!(now[0].reason.as_str(), "lease_lost");
+        assert!(now[0].detail.contains("silent for 10.0 s"), "{}", now[0].detail);
+        assert!(d.settle(16_000, lived_on).is_empty());
+        let late = d.settle(11_300 + 5000 + REREGISTER_MS, lived_on);
+        assert_eq!(late.len(), 1);
+        assert_eq!(late[0].rank, 1);
+        assert_eq!(late[0].reason.as_str(), "lease_expired");
+        assert_eq!(d.held(), 0);
+    }
+
+    #[test]
+    fn the_doubt_ends_after_the_resume_and_a_burst_extends_it_up_to_a_bound() {
+        let mut d = LeaseDoubt::new();
+        d.stale(0);
+        assert!(d.in_doubt(500), "while stale, everything is in doubt");
+        d.current(1_000);
+        assert!(d.in_doubt(1_000 + DOUBT_AFTER_RESUME_MS - 1));
+        assert!(!d.in_doubt(1_000 + DOUBT_AFTER_RESUME_MS));
+        // A burst: each held key keeps the doubt open a little longer, never past the cap.
+        let mut t = 1_000;
+        while t < 1_000 + DOUBT_AT_MOST_MS + 10_000 {
+            let _ = d.vanished(vanished(0, 7, 1000), t);
+            t += 1_000;
+        }
+        assert!(!d.in_doubt(1_000 + DOUBT_AT_MOST_MS));
+        // A second current with no stale in between changes nothing.
+        d.current(100_000);
+        assert!(!d.in_doubt(100_000));
+    }
+}
