@@ -403,7 +403,7 @@ impl IndexMirror {
 /// revoked) is on record within seconds, not one round trip per death. A window's end is
 /// written create-only by every replica that sees it: the first to land counts.
 async fn certificate_writer(config: CoordinatorConfig, mut rx: mpsc::UnboundedReceiver<ToWrite>) {
-    const MOST_AT_ONCE: usize = 4096;
+    const MOST_AT_ONCE: usize = 16_384;
     let keys = Keys::new(&config.index.prefix);
     let mut writer = RetainedWriter::new(LazyClient::new(config.etcd.clone()), config.retention);
     // An end key outlives the records whose windows it closes (a room's records come up to

@@ -49,6 +49,8 @@ pub async fn follow(access: &EtcdAccess, prefix: &str, readers: usize, mirror: &
     // the fragments before it; applied at the follower's `Apply`, dropped with the watch.
     let mut events: Vec<Event> = Vec::new();
     let mut actions: VecDeque<Action> = follower.start().into();
+    // Whole messages until one is too large for a gRPC message (see `open`).
+    let mut fragments = false;
     loop {
         while let Some(action) = actions.pop_front() {
             let now = Instant::now;
@@ -77,7 +79,7 @@ pub async fn follow(access: &EtcdAccess, prefix: &str, readers: usize, mirror: &
                     let deadline = follower
                         .poll_timeout()
                         .unwrap_or_else(|| now() + crate::REQUEST_TIMEOUT);
-                    let input = match tokio::time::timeout_at(deadline.into(), open(c, prefix, from_revision)).await {
+                    let input = match tokio::time::timeout_at(deadline.into(), open(c, prefix, from_revision, fragments)).await {
                         Ok(Ok(w)) => {
                             watch = Some(w);
                             Input::WatchOpened
@@ -129,7 +131,14 @@ pub async fn follow(access: &EtcdAccess, prefix: &str, readers: usize, mirror: &
                         input
                     }
                     Ok(None) => Input::StreamEnded("the watch stream ended".into()),
-                    Err(e) => Input::StreamEnded(e.to_string()),
+                    Err(e) => {
+                        let why = e.to_string();
+                        if !fragments && is_too_large(&why) {
+                            warn!(error = %why, "a watch message was too large for gRPC; watching in fragments from now on (etcd splits them slowly)");
+                            fragments = true;
+                        }
+                        Input::StreamEnded(why)
+                    }
                 };
                 actions = follower.handle(input, now).into();
             }
@@ -176,19 +185,26 @@ async fn load(client: &Client, prefix: &str, readers: usize, mirror: &mut impl M
     }
 }
 
-async fn open(client: &mut Client, prefix: &str, from_revision: i64) -> Result<WatchStream, etcd_client::Error> {
-    // Fragments: one revision can hold 100,000 deletes (a lease shared by a fleet's keys
-    // revoked), tens of MB with their previous values. etcd splits such a response at its
-    // request limit instead of sending one message larger than a gRPC client accepts (4 MiB by
-    // default, which ended the stream at every attempt); the follower applies the revision once
-    // its last fragment is in. The larger limit covers an etcd run with a larger
-    // `--max-request-bytes`.
-    let opts = WatchOptions::new()
+async fn open(
+    client: &mut Client,
+    prefix: &str,
+    from_revision: i64,
+    fragments: bool,
+) -> Result<WatchStream, etcd_client::Error> {
+    // One revision can hold 100,000 deletes (a lease shared by a fleet's keys revoked), ~5 MB
+    // without previous values. It comes as one message, which the follower accepts up to
+    // `WATCH_MESSAGE_LIMIT`. Fragments are asked for only after a message was larger than
+    // that: etcd 3.4 splits a response by re-measuring the whole fragment after every event
+    // it adds (`sendFragments`), quadratic in the events, so 100,000 deletes took it 30 s to
+    // send in fragments against 1.2 s whole (`rootrank-bench mass-death`).
+    let mut opts = WatchOptions::new()
         .with_prefix()
         .with_start_revision(from_revision)
-        .with_progress_notify()
-        .with_fragment();
-    debug!(from_revision, "opening the watch");
+        .with_progress_notify();
+    if fragments {
+        opts = opts.with_fragment();
+    }
+    debug!(from_revision, fragments, "opening the watch");
     client
         .watch_client()
         .max_decoding_message_size(WATCH_MESSAGE_LIMIT)
@@ -196,7 +212,13 @@ async fn open(client: &mut Client, prefix: &str, from_revision: i64) -> Result<W
         .await
 }
 
-/// The largest watch message the follower accepts (a fragment is at most etcd's request limit).
+/// Whether a watch ended on a message larger than gRPC allows, on either side.
+fn is_too_large(error: &str) -> bool {
+    error.contains("message length too large") || error.contains("larger than max")
+}
+
+/// The largest watch message the follower accepts (a fragment is at most etcd's request
+/// limit; a whole revision of 1,000,000 deletes is ~50 MB).
 const WATCH_MESSAGE_LIMIT: usize = 256 * 1024 * 1024;
 
 async fn next_message(watch: &mut Option<WatchStream>) -> Result<Option<WatchResponse>, etcd_client::Error> {
@@ -238,5 +260,22 @@ async fn sleep_until(at: Option<Instant>) {
     match at {
         Some(at) => tokio::time::sleep_until(at.into()).await,
         None => std::future::pending().await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_too_large;
+
+    #[test]
+    fn a_message_over_either_grpc_limit_is_told_from_other_stream_errors() {
+        // tonic's decoder (this side) and grpc-go's sender (etcd's side), as etcd-client shows them.
+        assert!(is_too_large(
+            "grpc request error: status: OutOfRange, message: \"Error, decoded message length too large: found 300000000 bytes, the limit is: 268435456 bytes\""
+        ));
+        assert!(is_too_large(
+            "grpc request error: status: ResourceExhausted, message: \"trying to send message larger than max (5388890 vs. 2097152)\""
+        ));
+        assert!(!is_too_large("grpc request error: status: Unavailable, message: \"transport error\""));
     }
 }

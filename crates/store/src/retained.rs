@@ -133,6 +133,15 @@ impl WriteError {
 /// What a writer says while etcd's database is full.
 pub const NOSPACE: &str = "etcd database space exceeded: etcd raised its NOSPACE alarm and refuses every write; free space (compact and defragment etcd, or raise --quota-backend-bytes) and run `etcdctl alarm disarm`";
 
+/// Transactions [`RetainedWriter::write_records`] keeps in flight at once.
+const IN_FLIGHT: usize = 8;
+
+/// True when no key appears twice in `records`.
+fn distinct_keys(records: &[(&str, &[u8])]) -> bool {
+    let mut seen = std::collections::HashSet::with_capacity(records.len());
+    records.iter().all(|(k, _)| seen.insert(*k))
+}
+
 /// Writes retained values, retrying each until etcd takes it. See the module docs.
 pub struct RetainedWriter {
     etcd: LazyClient,
@@ -311,7 +320,21 @@ impl RetainedWriter {
             todo.push_back(start..end);
             start = end;
         }
+        // Several transactions in flight at once (etcd folds concurrent proposals into one raft
+        // round), so a 100,000-record batch does not wait 800 round trips end to end. Only
+        // when no key repeats: a later value applied first would win over an earlier one.
+        // What this pass does not write goes through the careful path below, in order.
+        let mut first_pass = if todo.len() > 1 && distinct_keys(records) {
+            self.write_in_flight(records, &todo).await
+        } else {
+            Vec::new()
+        }
+        .into_iter();
         while let Some(range) = todo.pop_front() {
+            if let Some(Some(written)) = first_pass.next() {
+                out.extend(written.into_iter().map(|w| if w { Written::Yes } else { Written::AlreadyThere }));
+                continue;
+            }
             let batch = &records[range.clone()];
             if let [(key, value)] = batch {
                 out.push(self.write(Retained::Record { key, value }, deadline).await);
@@ -327,6 +350,40 @@ impl RetainedWriter {
             }
         }
         out
+    }
+
+    /// One attempt at each batch of `ranges`, [`IN_FLIGHT`] at a time, in order: what etcd
+    /// took, or `None` for a batch to write again the careful way (retried, split if refused).
+    /// A pass that finds etcd unreachable tries nothing.
+    async fn write_in_flight(
+        &mut self,
+        records: &[(&str, &[u8])],
+        ranges: &std::collections::VecDeque<std::ops::Range<usize>>,
+    ) -> Vec<Option<Vec<bool>>> {
+        use futures_util::stream::{self, StreamExt};
+        let Ok((c, lease)) = self.ready().await else {
+            return Vec::new();
+        };
+        let client = c.clone();
+        let results: Vec<Result<Vec<bool>, etcd_client::Error>> = stream::iter(ranges.iter().cloned())
+            .map(|range| {
+                let mut c = client.clone();
+                async move { crate::create_all_if_absent(&mut c, &records[range], Some(lease)).await }
+            })
+            .buffered(IN_FLIGHT)
+            .collect()
+            .await;
+        results
+            .into_iter()
+            .map(|r| match r {
+                Ok(written) => Some(written),
+                Err(e) => {
+                    // Only what it means for the lease; the careful path counts and says it.
+                    let _ = self.failed(&e);
+                    None
+                }
+            })
+            .collect()
     }
 
     /// One batch until etcd takes it; `None` when etcd rejected it for good.
