@@ -79,15 +79,17 @@ pub async fn follow(access: &EtcdAccess, prefix: &str, readers: usize, mirror: &
                     let deadline = follower
                         .poll_timeout()
                         .unwrap_or_else(|| now() + crate::REQUEST_TIMEOUT);
-                    let input = match tokio::time::timeout_at(deadline.into(), open(c, prefix, from_revision, fragments)).await {
-                        Ok(Ok(w)) => {
-                            watch = Some(w);
-                            Input::WatchOpened
-                        }
-                        Ok(Err(e)) => Input::OpenFailed(e.to_string()),
-                        // The follower's deadline gives it up.
-                        Err(_) => continue,
-                    };
+                    let input =
+                        match tokio::time::timeout_at(deadline.into(), open(c, prefix, from_revision, fragments)).await
+                        {
+                            Ok(Ok(w)) => {
+                                watch = Some(w);
+                                Input::WatchOpened
+                            }
+                            Ok(Err(e)) => Input::OpenFailed(e.to_string()),
+                            // The follower's deadline gives it up.
+                            Err(_) => continue,
+                        };
                     actions.extend(follower.handle(input, now()));
                 }
                 Action::DropWatch => {
@@ -276,6 +278,8 @@ mod tests {
         assert!(is_too_large(
             "grpc request error: status: ResourceExhausted, message: \"trying to send message larger than max (5388890 vs. 2097152)\""
         ));
-        assert!(!is_too_large("grpc request error: status: Unavailable, message: \"transport error\""));
+        assert!(!is_too_large(
+            "grpc request error: status: Unavailable, message: \"transport error\""
+        ));
     }
 }

@@ -332,7 +332,11 @@ impl RetainedWriter {
         .into_iter();
         while let Some(range) = todo.pop_front() {
             if let Some(Some(written)) = first_pass.next() {
-                out.extend(written.into_iter().map(|w| if w { Written::Yes } else { Written::AlreadyThere }));
+                out.extend(
+                    written
+                        .into_iter()
+                        .map(|w| if w { Written::Yes } else { Written::AlreadyThere }),
+                );
                 continue;
             }
             let batch = &records[range.clone()];
