@@ -22,6 +22,9 @@
 //! 13. [`mass_death`]: 1,000 / 10,000 / 100,000 live keys on one lease revoked under read
 //!     load: time until all are down on the coordinator, certified in etcd, and applied by
 //!     node-watch; `/readyz` meanwhile; the coordinator's RSS.
+//! 14. [`fleet`]: 10,000 / 30,000 simulated ranks on a 3-member etcd cluster: etcd CPU per
+//!     rank at steady state, the coordinator's start-up and RSS, verdict and long-poll latency,
+//!     and a host, a rack and 10 % of the fleet failing.
 //!
 //! Every figure goes into one JSON file with the machine's facts and the git revision; a
 //! Markdown table and an SVG of the latency distributions are made from it ([`report`]).
@@ -31,6 +34,7 @@ pub mod alloc;
 pub mod burst;
 pub mod detection;
 pub mod events;
+pub mod fleet;
 pub mod ingest;
 pub mod keepalive;
 pub mod load;
@@ -68,6 +72,7 @@ pub struct Suite {
     pub security: Option<security::SecurityCfg>,
     pub long_polls: Option<long_polls::LongPollsCfg>,
     pub mass_death: Option<mass_death::MassDeathCfg>,
+    pub fleet: Option<fleet::FleetCfg>,
 }
 
 impl Suite {
@@ -86,6 +91,7 @@ impl Suite {
             security: Some(security::SecurityCfg::full()),
             long_polls: Some(long_polls::LongPollsCfg::full()),
             mass_death: Some(mass_death::MassDeathCfg::full()),
+            fleet: Some(fleet::FleetCfg::full()),
         }
     }
     /// Tiny sizes, seconds long: for `cargo test` and `make bench-smoke`.
@@ -104,6 +110,7 @@ impl Suite {
             security: Some(security::SecurityCfg::smoke()),
             long_polls: Some(long_polls::LongPollsCfg::smoke()),
             mass_death: Some(mass_death::MassDeathCfg::smoke()),
+            fleet: Some(fleet::FleetCfg::smoke()),
         }
     }
 }
@@ -147,6 +154,7 @@ pub async fn run(env: &Env, suite: &Suite, mode: &str) -> Value {
     part!("security", suite.security, security::run);
     part!("long_polls", suite.long_polls, long_polls::run);
     part!("mass_death", suite.mass_death, mass_death::run);
+    part!("fleet", suite.fleet, fleet::run);
     let mut results = json!({
         "schema": "rootrank-bench/1",
         "mode": mode,

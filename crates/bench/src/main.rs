@@ -133,6 +133,22 @@ enum Cmd {
         #[command(flatten)]
         out: Out,
     },
+    /// 14. The fleet: simulated ranks on a 3-member etcd cluster, steady load and failures.
+    Fleet {
+        #[arg(long, value_delimiter = ',', default_value = "10000,30000")]
+        sizes: Vec<usize>,
+        #[arg(long, default_value_t = 15)]
+        ttl_s: i64,
+        /// Keepalives/s etcd is given; a larger fleet gets a longer TTL (0: always --ttl-s).
+        #[arg(long, default_value_t = 2000.0)]
+        keepalive_budget: f64,
+        #[arg(long, default_value_t = 40)]
+        rack_hosts: usize,
+        #[arg(long, default_value = "15s")]
+        window: String,
+        #[command(flatten)]
+        out: Out,
+    },
     /// 12. Long polls parked on their rooms while other rooms' records stream in.
     LongPolls {
         #[arg(long, default_value_t = 2_000)]
@@ -482,6 +498,27 @@ fn suite_of(cmd: Cmd) -> anyhow::Result<(Suite, &'static str, PathBuf)> {
             "mass-death",
             out.out.unwrap_or_else(|| PathBuf::from("bench-results/mass-death")),
         ),
+        Cmd::Fleet {
+            sizes,
+            ttl_s,
+            keepalive_budget,
+            rack_hosts,
+            window,
+            out,
+        } => (
+            Suite {
+                fleet: Some(rootrank_bench::fleet::FleetCfg {
+                    sizes,
+                    ttl_s,
+                    keepalive_budget: (keepalive_budget > 0.0).then_some(keepalive_budget),
+                    rack_hosts,
+                    window: parse_duration(&window)?,
+                }),
+                ..Suite::default()
+            },
+            "fleet",
+            out.out.unwrap_or_else(|| PathBuf::from("bench-results/fleet")),
+        ),
         Cmd::LongPolls {
             polls,
             rate,
@@ -593,6 +630,10 @@ fn run_suite(suite: &Suite, mode: &'static str, out: &std::path::Path) -> anyhow
         "rootrank-bench: wrote {}/results.json, results.md, latency.svg",
         out.display()
     );
+    // The fleet part ends with its one-line summary (issue 29), after everything else.
+    if let Some(line) = results["sections"]["fleet"]["summary"].as_str() {
+        println!("{line}");
+    }
     let failed = results["sections"]
         .as_object()
         .is_some_and(|s| s.values().any(|v| v.get("error").is_some()));

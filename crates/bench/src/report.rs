@@ -218,6 +218,7 @@ pub fn markdown(results: &Value) -> String {
     security_section(&mut m, &s["security"]);
     long_polls_section(&mut m, &s["long_polls"]);
     mass_death_section(&mut m, &s["mass_death"]);
+    fleet_section(&mut m, &s["fleet"]);
     let _ = writeln!(
         m,
         "\nLatency distributions: `latency.svg`. All figures: `results.json`."
@@ -955,5 +956,59 @@ fn mass_death_section(m: &mut String, x: &Value) {
             mib(&r["coordinator_rss_after_bytes"]),
             mib(&r["coordinator_rss_peak_bytes"]),
         );
+    }
+}
+
+/// Part 14: the fleet, by size.
+fn fleet_section(m: &mut String, x: &Value) {
+    let Some(sizes) = x["sizes"].as_array() else {
+        return;
+    };
+    let mib = |v: &Value| num(&json!(f(v) / 1048576.0), 1);
+    let ms = |v: &Value| num(&json!(f(v) / 1e3), 2);
+    let _ = writeln!(
+        m,
+        "\n## 14. Fleet (3-member etcd cluster, lease TTL {} s or what keeps keepalives within {}/s, groups of 16 on two hosts of 8)\n\n| ranks | etcd CPU ms/s: idle / steady (per 1,000 ranks, above idle) | keepalives/s | etcd µs per keepalive | coordinator start to `/readyz` s | coordinator RSS MiB steady / peak | verdict p50 / p99 ms | long-poll wake p50 / p99 ms | host: down / certified / rooms resolved s | rack of {}: down / certified / resolved s | 10 %: down / certified / resolved s |\n|---|---|---|---|---|---|---|---|---|---|---|",
+        x["setup"]["ttl_s"], x["setup"]["keepalive_budget_per_s"], x["setup"]["rack_ranks"]
+    );
+    for r in sizes {
+        if let Some(e) = r["error"].as_str() {
+            let _ = writeln!(m, "| {} | failed: {e} | | | | | | | | | |", r["ranks"]);
+            continue;
+        }
+        let st = &r["steady"];
+        let fail = |k: &str| {
+            let v = &r["failures"][k];
+            format!(
+                "{} / {} / {}",
+                num(&v["all_down_s"], 2),
+                num(&v["all_certified_s"], 2),
+                num(&v["rooms_resolved_s"], 2)
+            )
+        };
+        let _ = writeln!(
+            m,
+            "| {} ({}) | {} / {} ({}) | {} | {} | {} | {} / {} | {} / {} | {} / {} | {} | {} | {} |",
+            r["ranks"],
+            r["ttl_s"],
+            num(&st["etcd_idle_ms_per_s"], 0),
+            num(&st["etcd_cpu_ms_per_s"], 0),
+            num(&st["etcd_cpu_ms_per_s_per_1000_ranks"], 1),
+            num(&st["keepalives_per_s"], 0),
+            num(&st["etcd_cpu_us_per_keepalive"], 0),
+            num(&r["coordinator"]["start_to_ready_s"], 2),
+            mib(&r["coordinator"]["rss_steady_bytes"]),
+            mib(&r["coordinator"]["rss_peak_bytes"]),
+            ms(&st["verdict"]["p50_us"]),
+            ms(&st["verdict"]["p99_us"]),
+            ms(&st["long_poll_wake"]["p50_us"]),
+            ms(&st["long_poll_wake"]["p99_us"]),
+            fail("host"),
+            fail("rack"),
+            fail("tenth"),
+        );
+    }
+    if let Some(s) = x["summary"].as_str() {
+        let _ = writeln!(m, "\n{s}");
     }
 }

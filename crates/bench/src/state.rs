@@ -417,15 +417,18 @@ pub async fn write_rooms(
 /// Several connections to one etcd. Bulk loading gets a longer request timeout than
 /// rootrank's own 2 s (`rootrank_store::REQUEST_TIMEOUT`): an etcd busy renewing tens of
 /// thousands of leases answers a 128-op transaction slowly, and a timeout would only retry it.
+/// `n` connections to etcd at `endpoint` (comma-separated for a cluster: each connection is
+/// given every member, as agents are).
 pub async fn clients(endpoint: &str, n: usize) -> anyhow::Result<Vec<Client>> {
     use rootrank_store::etcd_client::ConnectOptions;
+    let endpoints: Vec<&str> = endpoint.split(',').collect();
     let mut out = Vec::with_capacity(n);
     for _ in 0..n.max(1) {
         let opts = ConnectOptions::new()
             .with_connect_timeout(Duration::from_secs(5))
             .with_timeout(Duration::from_secs(30));
         out.push(
-            Client::connect([endpoint], Some(opts))
+            Client::connect(&endpoints, Some(opts))
                 .await
                 .with_context(|| format!("connecting to etcd at {endpoint}"))?,
         );

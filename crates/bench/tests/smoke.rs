@@ -95,6 +95,27 @@ fn smoke_suite_produces_well_formed_results() {
     assert_eq!(ev["readers_cut_off"], 0, "{ev}");
     assert_eq!(ev["probe_deliveries_missing"], 0, "{ev}");
 
+    // The fleet part: a 3-member cluster, every failure seen, every room resolved, and the
+    // one-line summary last on stdout.
+    let fl = &s["fleet"]["sizes"][0];
+    assert!(fl.get("error").is_none(), "fleet failed: {}", fl["error"]);
+    assert_eq!(fl["steady"]["live_at_end"], fl["ranks"], "{fl}");
+    positive(fl, "steady.etcd_cpu_ms_per_s");
+    positive(fl, "steady.keepalives_per_s");
+    positive(fl, "steady.verdict.p50_us");
+    positive(fl, "coordinator.rss_steady_bytes");
+    for failure in ["host", "rack", "tenth"] {
+        positive(fl, &format!("failures.{failure}.all_down_s"));
+        positive(fl, &format!("failures.{failure}.all_certified_s"));
+        positive(fl, &format!("failures.{failure}.rooms_resolved_s"));
+    }
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let last = stdout.lines().last().unwrap_or_default();
+    assert!(
+        last.starts_with("fleet: 320 ranks, rack of 32 down in ") && last.ends_with(" MiB"),
+        "last line: {last}"
+    );
+
     let goals = r["goals"].as_array().expect("goals");
     assert!(goals.len() >= 7);
 

@@ -1,0 +1,585 @@
+//! Part 14: the fleet (issue 29). R simulated ranks on a real 3-member etcd cluster on
+//! loopback (etcd's production timing), each rank a real lease kept alive every TTL/3 and a
+//! real live key, as agents do, all from this one process. Groups are TP=16 across two hosts
+//! of 8 ranks (so a dead host leaves survivors that record the room in flight, as SGLang's
+//! ranks do). Measured at each size: etcd CPU at steady state (all members, per second and per
+//! 1,000 ranks) and the keepalives it served, the coordinator's start-up to `/readyz` and its
+//! RSS, a verdict's and a long poll's latency under that load, and three failures, one after
+//! the other: one host (8 ranks), one rack (`rack_hosts` hosts of 8 ranks), 10 % of the fleet
+//! at once. A failure stops the keepalives of its ranks' leases (a host that died sends
+//! nothing; etcd expires the leases); the survivors of each group hit record the room in
+//! flight at once. Timed from the stop: every death down on the coordinator, every death
+//! certified in etcd, every room in flight resolved.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use rootrank_core::{GroupId, Keys};
+use rootrank_store::embedded::{EmbeddedEtcd, EtcdOptions};
+use rootrank_store::etcd_client::{Client, GetOptions};
+use serde_json::{json, Value};
+
+use crate::procs::{Coordinator, Env};
+use crate::state::{self, KeepAlives, Put};
+use crate::util::{http_client, rss_bytes, CpuMark, Dist};
+
+#[derive(Clone, Debug)]
+pub struct FleetCfg {
+    /// Fleet sizes in ranks, one after the other (a fresh cluster for each).
+    pub sizes: Vec<usize>,
+    /// Lease TTL of every rank, at least; see `keepalive_budget`.
+    pub ttl_s: i64,
+    /// Keepalives per second the etcd of this machine is given: a size that would need more
+    /// at `ttl_s` runs with a TTL long enough to stay within it (`3 x ranks / budget`), so
+    /// the coordinator's side is measured at that size too. `None`: always `ttl_s`.
+    pub keepalive_budget: Option<f64>,
+    /// Hosts (of 8 ranks) in the rack that fails.
+    pub rack_hosts: usize,
+    /// Steady-state window over which etcd's CPU is measured.
+    pub window: Duration,
+}
+
+impl FleetCfg {
+    pub fn full() -> Self {
+        FleetCfg {
+            sizes: vec![10_000, 30_000],
+            // Not the agents' 5 s: 30,000 leases at 5 s need 18,000 keepalives/s, three times
+            // what this machine's etcd serves (`rootrank-bench keepalive`). The figures are per
+            // keepalive and per rank, so they scale to any TTL.
+            ttl_s: 15,
+            // 10,000 ranks at 15 s: 2,000/s took 1.1 cores of the 3 members here; 30,000 at
+            // 15 s (6,000/s) put the cluster into back-to-back leader elections.
+            keepalive_budget: Some(2_000.0),
+            rack_hosts: 40,
+            window: Duration::from_secs(15),
+        }
+    }
+    pub fn smoke() -> Self {
+        FleetCfg {
+            sizes: vec![320],
+            ttl_s: 3,
+            keepalive_budget: None,
+            rack_hosts: 4,
+            window: Duration::from_secs(2),
+        }
+    }
+}
+
+const PREFIX: &str = "/rootrank/v1";
+const HOST_RANKS: usize = 8;
+const GROUP_SIZE: usize = 2 * HOST_RANKS;
+const STEP: Duration = Duration::from_secs(600);
+/// Registering the fleet longer than this means etcd cannot carry it here: the size is
+/// recorded as where the machine stops, with what etcd said.
+const REGISTER_LIMIT: Duration = Duration::from_secs(180);
+
+/// etcd's `etcd_server_leader_changes_seen_total` summed over the members (a leader lost
+/// under load shows here first).
+async fn leader_changes(http: &reqwest::Client, endpoints: &[String]) -> u64 {
+    let mut total = 0;
+    for e in endpoints {
+        let Ok(r) = http.get(format!("{e}/metrics")).send().await else {
+            continue;
+        };
+        let Ok(text) = r.text().await else {
+            continue;
+        };
+        total += text
+            .lines()
+            .find_map(|l| l.strip_prefix("etcd_server_leader_changes_seen_total "))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .unwrap_or(0.0) as u64;
+    }
+    total
+}
+
+pub async fn run(env: &Env, cfg: &FleetCfg) -> anyhow::Result<Value> {
+    let mut sizes = Vec::new();
+    for &n in &cfg.sizes {
+        eprintln!("rootrank-bench: fleet: {n} ranks ...");
+        let v = match one(env, cfg, n).await {
+            Ok(v) => v,
+            Err(e) => json!({"ranks": n, "error": format!("{e:#}")}),
+        };
+        eprintln!("rootrank-bench: fleet: {v}");
+        sizes.push(v);
+    }
+    let summary = summary_line(&sizes, cfg.rack_hosts * HOST_RANKS);
+    Ok(json!({
+        "setup": {
+            "ttl_s": cfg.ttl_s,
+            "keepalive_budget_per_s": cfg.keepalive_budget,
+            "rack_ranks": cfg.rack_hosts * HOST_RANKS,
+            "window_s": cfg.window.as_secs_f64(),
+            "how": "per size: a fresh 3-member etcd cluster on loopback (100 ms heartbeat, 1 s election timeout); R ranks in groups of 16 (two hosts of 8), each a lease kept alive every TTL/3 over 8 shared connections and a live key on it, written from the bench process; one coordinator (release build). Steady state: etcd CPU of all members over the window, less the idle cluster's (measured before any lease) for the per-rank and per-keepalive figures. Then one host, one rack, 10 % of the fleet fail in turn: their keepalives stop, the 8 surviving ranks of each group hit record a propagated failure for a room in flight; times from the stop",
+        },
+        "sizes": sizes,
+        "summary": summary,
+    }))
+}
+
+/// The one line the part ends with: the largest size that ran.
+pub fn summary_line(sizes: &[Value], rack_ranks: usize) -> String {
+    let Some(s) = sizes.iter().rev().find(|s| s.get("error").is_none()) else {
+        return "fleet: no size ran (see the errors in results.json)".into();
+    };
+    let f = |v: &Value| v.as_f64().map_or("?".into(), |x| format!("{x:.2}"));
+    format!(
+        "fleet: {} ranks, rack of {rack_ranks} down in {} s, etcd {} ms CPU per s per 1000 ranks, coordinator {} MiB",
+        s["ranks"],
+        f(&s["failures"]["rack"]["all_down_s"]),
+        s["steady"]["etcd_cpu_ms_per_s_per_1000_ranks"]
+            .as_f64()
+            .map_or("?".into(), |x| format!("{x:.1}")),
+        s["coordinator"]["rss_steady_bytes"]
+            .as_f64()
+            .map_or("?".into(), |x| format!("{:.0}", x / 1048576.0)),
+    )
+}
+
+/// A 3-member cluster with etcd's production timing and a quota for the fleet's history.
+fn start_cluster(dir: &std::path::Path) -> anyhow::Result<Vec<EmbeddedEtcd>> {
+    let ports: Vec<(u16, u16)> = (0..3)
+        .map(|_| Ok((crate::util::free_port()?, crate::util::free_port()?)))
+        .collect::<anyhow::Result<_>>()?;
+    let initial = ports
+        .iter()
+        .enumerate()
+        .map(|(i, (_, p))| format!("m{i}=http://127.0.0.1:{p}"))
+        .collect::<Vec<_>>()
+        .join(",");
+    let mut members = Vec::new();
+    for (i, (c, p)) in ports.iter().enumerate() {
+        let opts = EtcdOptions {
+            fast: false,
+            client_port: *c,
+            peer_port: *p,
+            name: format!("m{i}"),
+            initial_cluster: Some(initial.clone()),
+            wait_healthy: false,
+            extra_args: vec![
+                "--quota-backend-bytes".into(),
+                crate::procs::LARGE_QUOTA_BYTES.to_string(),
+            ],
+        };
+        members.push(
+            EmbeddedEtcd::start(&dir.join(format!("m{i}")), &opts)
+                .map_err(|e| anyhow::anyhow!("etcd member {i}: {e}"))?,
+        );
+    }
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !members
+        .iter()
+        .all(|m| rootrank_store::embedded::health_ok(&format!("127.0.0.1:{}", m.client_port())))
+    {
+        if Instant::now() > deadline {
+            bail!("etcd cluster not healthy in 60 s");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Ok(members)
+}
+
+/// Ranks `0..8` of the groups `groups` (the first host of each).
+fn first_hosts(groups: std::ops::Range<usize>) -> Vec<(usize, u32)> {
+    groups
+        .flat_map(|g| (0..HOST_RANKS as u32).map(move |r| (g, r)))
+        .collect()
+}
+
+async fn one(env: &Env, cfg: &FleetCfg, n: usize) -> anyhow::Result<Value> {
+    let groups = n / GROUP_SIZE;
+    let tenth_groups = (n / 10).div_ceil(HOST_RANKS);
+    if 1 + cfg.rack_hosts + tenth_groups > groups {
+        bail!(
+            "{n} ranks are too few for a host, a rack of {} hosts and 10 % in distinct groups",
+            cfg.rack_hosts
+        );
+    }
+    let dir = env.subdir(&format!("fleet-{n}"))?;
+    let members = start_cluster(&dir)?;
+    let endpoints: Vec<String> = members.iter().map(|m| m.endpoint()).collect();
+    let etcd_pids: Vec<u32> = members.iter().filter_map(|m| m.pid()).collect();
+    let clients = state::clients(&endpoints.join(","), 8).await?;
+    // The cluster's own cost (raft heartbeats), so the ranks' cost is what is added to it.
+    let idle_mark = CpuMark::take(&etcd_pids);
+    tokio::time::sleep(cfg.window.min(Duration::from_secs(5))).await;
+    let (idle_cpu, idle_wall) = idle_mark.since(&etcd_pids);
+    let etcd_idle_ms_per_s = idle_cpu.iter().sum::<f64>() * 1e3 / idle_wall;
+    let keys = Keys::new(PREFIX);
+    let gids: Vec<GroupId> = (0..groups)
+        .map(|g| GroupId::new(&state::group_name("fleet", g)))
+        .collect::<Result<_, _>>()?;
+    let ttl_s = match cfg.keepalive_budget {
+        Some(b) if b > 0.0 => cfg.ttl_s.max((3.0 * n as f64 / b).ceil() as i64),
+        _ => cfg.ttl_s,
+    };
+    let interval = Duration::from_millis(ttl_s as u64 * 1000 / 3);
+    let ttl_ms = ttl_s as u64 * 1000;
+
+    // The failure sets, in distinct groups: each its own keepalives, so it can be stopped.
+    let host = first_hosts(0..1);
+    let rack = first_hosts(1..1 + cfg.rack_hosts);
+    let tenth = first_hosts(1 + cfg.rack_hosts..1 + cfg.rack_hosts + tenth_groups);
+    let failing: std::collections::HashSet<(usize, u32)> = host.iter().chain(&rack).chain(&tenth).copied().collect();
+    let rest: Vec<(usize, u32)> = (0..groups)
+        .flat_map(|g| (0..GROUP_SIZE as u32).map(move |r| (g, r)))
+        .filter(|x| !failing.contains(x))
+        .collect();
+
+    let probe_http = http_client(Duration::from_secs(5))?;
+    let leader_changes_idle = leader_changes(&probe_http, &endpoints).await;
+    let t = Instant::now();
+    let mut steady_keepalives = Vec::new();
+    let mut sets = Vec::new();
+    let mut lost = 0usize;
+    for (name, ranks) in [("host", &host), ("rack", &rack), ("tenth", &tenth), ("rest", &rest)] {
+        // Granted in chunks, each kept alive at once, so early leases never lapse meanwhile.
+        let mut chunk_keepalives = Vec::new();
+        for chunk in ranks.chunks(2_000) {
+            if t.elapsed() > REGISTER_LIMIT {
+                bail!(
+                    "etcd could not register {n} ranks within {REGISTER_LIMIT:?} ({} leader changes meanwhile): this is where this machine stops",
+                    leader_changes(&probe_http, &endpoints).await
+                );
+            }
+            let leases = state::grant_leases(&clients, chunk.len(), ttl_s, 64).await?;
+            if leases.len() < chunk.len() {
+                bail!(
+                    "etcd granted {} of {} leases: overloaded at this size",
+                    leases.len(),
+                    chunk.len()
+                );
+            }
+            chunk_keepalives.push(KeepAlives::start(
+                &clients,
+                &leases,
+                interval,
+                Duration::from_secs(3600),
+            ));
+            let mut puts = Vec::with_capacity(chunk.len());
+            for (&(g, r), lease) in chunk.iter().zip(&leases) {
+                puts.push(Put {
+                    key: keys.live(&gids[g], r),
+                    value: state::live_value(&gids[g], r, GROUP_SIZE as u32, ttl_ms)?,
+                    lease: Some(*lease),
+                });
+            }
+            lost += state::write_live(&clients[0], puts)
+                .await
+                .context("writing live keys")?
+                .1;
+        }
+        if name == "rest" {
+            steady_keepalives = chunk_keepalives;
+        } else {
+            sets.push((name, ranks.clone(), chunk_keepalives));
+        }
+    }
+    if lost > 0 {
+        bail!("{lost} live keys could not be written: etcd overloaded at this size");
+    }
+    let register_s = t.elapsed().as_secs_f64();
+
+    // A resolved room per group (rank 9's local record), for the verdict latency.
+    let mut puts = Vec::new();
+    let mut resolved_rooms = Vec::new();
+    for (g, gid) in gids.iter().enumerate() {
+        let room = state::room_id(29, g as u64);
+        puts.push(Put {
+            key: keys.room(gid, rootrank_core::RoomId::new(room)?, 9),
+            value: state::record_value(gid, 9, room, true, rootrank_store::unix_ms())?,
+            lease: None,
+        });
+        resolved_rooms.push((gid.as_str().to_string(), room));
+    }
+    state::write_all(&clients, puts, 4).await?;
+
+    let coordinator = Coordinator::start(env, &endpoints.join(","), PREFIX, STEP).await?;
+    let start_to_ready_s = coordinator.start_to_ready.as_secs_f64();
+    let http = http_client(Duration::from_secs(30))?;
+    wait_for(STEP, "every rank live on the coordinator", || async {
+        totals(&http, &coordinator.url)
+            .await
+            .filter(|t| t.0 == n as u64)
+            .map(|_| ())
+    })
+    .await?;
+
+    // Steady state.
+    let all_sets = || sets.iter().flat_map(|s| s.2.iter()).chain(&steady_keepalives);
+    let sent_before: u64 = all_sets()
+        .map(|k| k.sent.load(std::sync::atomic::Ordering::Relaxed))
+        .sum();
+    let leaders_before = leader_changes(&probe_http, &endpoints).await;
+    let mark = CpuMark::take(&etcd_pids);
+    let coord_mark = CpuMark::take(&[coordinator.pid]);
+    let window_started = Instant::now();
+    // Verdicts and long polls while the window runs.
+    let mut verdict_samples = Vec::new();
+    let mut poll_samples = Vec::new();
+    let mut i = 0u64;
+    while window_started.elapsed() < cfg.window {
+        let (group, room) = &resolved_rooms[i as usize % resolved_rooms.len()];
+        let s = Instant::now();
+        let r = http
+            .get(format!("{}/v1/rooms/{room}/verdict?group={group}", coordinator.url))
+            .send()
+            .await?;
+        if r.status().as_u16() == 200 && r.bytes().await.is_ok() {
+            verdict_samples.push(s.elapsed());
+        }
+        if i.is_multiple_of(10) {
+            if let Some(d) = long_poll_probe(&http, &coordinator.url, &clients[1], &keys, &gids[0], i).await? {
+                poll_samples.push(d);
+            }
+        }
+        i += 1;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let window_s = window_started.elapsed().as_secs_f64();
+    let (etcd_cpu_members, _) = mark.since(&etcd_pids);
+    let etcd_cpu_s: f64 = etcd_cpu_members.iter().sum();
+    let (coord_cpu, _) = coord_mark.since(&[coordinator.pid]);
+    let coord_cpu_s: f64 = coord_cpu.iter().sum();
+    let sent_after: u64 = all_sets()
+        .map(|k| k.sent.load(std::sync::atomic::Ordering::Relaxed))
+        .sum();
+    let keepalives_per_s = (sent_after - sent_before) as f64 / window_s;
+    let failed: u64 = all_sets()
+        .map(|k| k.failed.load(std::sync::atomic::Ordering::Relaxed))
+        .sum();
+    let expired: u64 = all_sets()
+        .map(|k| k.expired.load(std::sync::atomic::Ordering::Relaxed))
+        .sum();
+    let leader_changes_in_window = leader_changes(&probe_http, &endpoints)
+        .await
+        .saturating_sub(leaders_before);
+    let live_at_end = totals(&http, &coordinator.url).await.map_or(0, |t| t.0);
+    let (rss_steady, _) = rss_bytes(coordinator.pid)?;
+    let etcd_cpu_ms_per_s = etcd_cpu_s * 1e3 / window_s;
+    let steady = json!({
+        "window_s": window_s,
+        "etcd_cpu_ms_per_s": etcd_cpu_ms_per_s,
+        "etcd_cpu_ms_per_s_by_member": etcd_cpu_members.iter().map(|c| c * 1e3 / window_s).collect::<Vec<_>>(),
+        "etcd_idle_ms_per_s": etcd_idle_ms_per_s,
+        // Above the idle cluster: what the ranks add, the figure that extrapolates.
+        "etcd_cpu_ms_per_s_per_1000_ranks": (etcd_cpu_ms_per_s - etcd_idle_ms_per_s).max(0.0) * 1000.0 / n as f64,
+        "keepalives_per_s": keepalives_per_s,
+        "etcd_cpu_us_per_keepalive": if keepalives_per_s > 0.0 { (etcd_cpu_ms_per_s - etcd_idle_ms_per_s).max(0.0) * 1e3 / keepalives_per_s } else { 0.0 },
+        "coordinator_cpu_ms_per_s": coord_cpu_s * 1e3 / window_s,
+        "keepalive_failures": failed,
+        "leases_expired": expired,
+        "live_at_end": live_at_end,
+        "leader_changes_in_window": leader_changes_in_window,
+        "leader_changes_while_registering": leaders_before.saturating_sub(leader_changes_idle),
+        "verdict": Dist::from_durations(&verdict_samples),
+        "long_poll_wake": Dist::from_durations(&poll_samples),
+    });
+
+    // The failures, one after the other; `down` and certificates count up across them.
+    let mut failures = serde_json::Map::new();
+    let mut down_expected = 0u64;
+    let mut certified_expected = 0usize;
+    for (name, ranks, keepalives) in sets {
+        let dead_groups: Vec<usize> = {
+            let mut g: Vec<usize> = ranks.iter().map(|x| x.0).collect();
+            g.dedup();
+            g
+        };
+        down_expected += ranks.len() as u64;
+        certified_expected += ranks.len();
+        let stopped = Instant::now();
+        for k in keepalives {
+            k.stop();
+        }
+        // The survivors of each group hit record the room in flight (ranks 8..16 propagated).
+        let mut puts = Vec::new();
+        let mut rooms = Vec::new();
+        for &g in &dead_groups {
+            let room = state::room_id(2900 + down_expected, g as u64);
+            for r in HOST_RANKS as u32..GROUP_SIZE as u32 {
+                puts.push(Put {
+                    key: keys.room(&gids[g], rootrank_core::RoomId::new(room)?, r),
+                    value: state::record_value(&gids[g], r, room, false, rootrank_store::unix_ms())?,
+                    lease: None,
+                });
+            }
+            rooms.push((gids[g].as_str().to_string(), room));
+        }
+        state::write_all(&clients, puts, 4).await?;
+        let (mut down_s, mut certified_s, mut resolved_s) = (None, None, None);
+        let mut unresolved = rooms.clone();
+        let mut culprit_in_dead_host = 0usize;
+        let deadline = stopped + STEP;
+        while down_s.is_none() || certified_s.is_none() || resolved_s.is_none() {
+            if Instant::now() > deadline {
+                bail!("{name}: not all seen in {STEP:?} (down {down_s:?}, certified {certified_s:?}, resolved {resolved_s:?}); logs in {}", dir.display());
+            }
+            if down_s.is_none()
+                && totals(&http, &coordinator.url)
+                    .await
+                    .is_some_and(|t| t.1 >= down_expected)
+            {
+                down_s = Some(stopped.elapsed().as_secs_f64());
+            }
+            if certified_s.is_none() && certified(&mut clients[2].clone()).await? >= certified_expected {
+                certified_s = Some(stopped.elapsed().as_secs_f64());
+            }
+            if resolved_s.is_none() {
+                let mut still = Vec::new();
+                for (group, room) in unresolved {
+                    let v: Value = http
+                        .get(format!(
+                            "{}/v1/rooms/{room}/verdict?group={group}&view=compact",
+                            coordinator.url
+                        ))
+                        .send()
+                        .await?
+                        .json()
+                        .await?;
+                    if v["status"] == "resolved" {
+                        // A culprit outside the dead host would be a wrong answer.
+                        if v["culprit"]["rank"].as_u64().is_some_and(|r| r < HOST_RANKS as u64) {
+                            culprit_in_dead_host += 1;
+                        }
+                    } else {
+                        still.push((group, room));
+                    }
+                }
+                unresolved = still;
+                if unresolved.is_empty() {
+                    resolved_s = Some(stopped.elapsed().as_secs_f64());
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        if culprit_in_dead_host != rooms.len() {
+            bail!(
+                "{name}: {} of {} rooms named a culprit outside the dead host",
+                rooms.len() - culprit_in_dead_host,
+                rooms.len()
+            );
+        }
+        failures.insert(
+            name.to_string(),
+            json!({
+                "ranks": ranks.len(),
+                "rooms_in_flight": rooms.len(),
+                "all_down_s": down_s,
+                "all_certified_s": certified_s,
+                "rooms_resolved_s": resolved_s,
+                "bound_leases_only_s": ttl_s as f64 + 2.0,
+            }),
+        );
+    }
+    let (rss_after, rss_peak) = rss_bytes(coordinator.pid)?;
+    for k in steady_keepalives {
+        k.stop();
+    }
+    Ok(json!({
+        "ranks": n,
+        "groups": groups,
+        "ttl_s": ttl_s,
+        "register_s": register_s,
+        "coordinator": {
+            "start_to_ready_s": start_to_ready_s,
+            "rss_steady_bytes": rss_steady,
+            "rss_after_bytes": rss_after,
+            "rss_peak_bytes": rss_peak,
+        },
+        "steady": steady,
+        "failures": Value::Object(failures),
+    }))
+}
+
+/// Parks a long poll on a fresh room of `group`, then writes the room's local record: the
+/// time from etcd's acknowledgement to the poll's answer.
+async fn long_poll_probe(
+    http: &reqwest::Client,
+    url: &str,
+    client: &Client,
+    keys: &Keys,
+    group: &GroupId,
+    i: u64,
+) -> anyhow::Result<Option<Duration>> {
+    let room = state::room_id(2929, i);
+    let poll = tokio::spawn({
+        let (http, u) = (
+            http.clone(),
+            format!(
+                "{url}/v1/rooms/{room}/verdict?group={}&wait_ms=10000&view=compact",
+                group.as_str()
+            ),
+        );
+        async move {
+            let v: Value = http.get(u).send().await.ok()?.json().await.ok()?;
+            Some((v["status"] == "resolved", Instant::now()))
+        }
+    });
+    // Let the poll park first.
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let mut c = client.clone();
+    c.put(
+        keys.room(group, rootrank_core::RoomId::new(room)?, 3),
+        state::record_value(group, 3, room, true, rootrank_store::unix_ms())?,
+        None,
+    )
+    .await?;
+    let acked = Instant::now();
+    Ok(match poll.await {
+        Ok(Some((true, answered))) => Some(answered.saturating_duration_since(acked)),
+        _ => None,
+    })
+}
+
+/// (live, down, revision) over every group of `/v1/groups`.
+async fn totals(http: &reqwest::Client, url: &str) -> Option<(u64, u64, i64)> {
+    let r = http.get(format!("{url}/v1/groups")).send().await.ok()?;
+    if r.status().as_u16() != 200 {
+        return None;
+    }
+    let v: Value = r.json().await.ok()?;
+    let groups = v["groups"].as_array()?;
+    let sum = |field: &str| groups.iter().map(|g| g[field].as_u64().unwrap_or(0)).sum::<u64>();
+    Some((sum("live"), sum("down"), v["revision"].as_i64().unwrap_or(0)))
+}
+
+/// Down certificates in etcd, read in pages.
+async fn certified(client: &mut Client) -> anyhow::Result<usize> {
+    let (mut from, end) = (format!("{PREFIX}/groups/"), format!("{PREFIX}/groups0"));
+    let mut count = 0;
+    loop {
+        let opts = GetOptions::new()
+            .with_range(end.as_str())
+            .with_keys_only()
+            .with_limit(20_000);
+        let r = client.get(from.as_str(), Some(opts)).await?;
+        count += r
+            .kvs()
+            .iter()
+            .filter(|kv| String::from_utf8_lossy(kv.key()).contains("/down/"))
+            .count();
+        match r.kvs().last() {
+            Some(kv) if r.more() => from = format!("{}\0", String::from_utf8_lossy(kv.key())),
+            _ => return Ok(count),
+        }
+    }
+}
+
+async fn wait_for<T, F, Fut>(within: Duration, what: &str, mut f: F) -> anyhow::Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + within;
+    loop {
+        if let Some(v) = f().await {
+            return Ok(v);
+        }
+        if Instant::now() > deadline {
+            bail!("{what}: not within {within:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
