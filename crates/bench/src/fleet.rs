@@ -243,7 +243,9 @@ async fn one(env: &Env, cfg: &FleetCfg, n: usize) -> anyhow::Result<Value> {
                     leader_changes(&probe_http, &endpoints).await
                 );
             }
-            let leases = state::grant_leases(&clients, chunk.len(), ttl_s, 64).await?;
+            let leases = state::grant_leases(&clients, chunk.len(), ttl_s, 64)
+                .await
+                .with_context(|| format!("registering {n} ranks at a {ttl_s} s TTL: etcd could not keep up after {:.0} s; this is where this machine stops", t.elapsed().as_secs_f64()))?;
             if leases.len() < chunk.len() {
                 bail!(
                     "etcd granted {} of {} leases: overloaded at this size",
@@ -267,7 +269,7 @@ async fn one(env: &Env, cfg: &FleetCfg, n: usize) -> anyhow::Result<Value> {
             }
             lost += state::write_live(&clients[0], puts)
                 .await
-                .context("writing live keys")?
+                .with_context(|| format!("writing live keys of {n} ranks at a {ttl_s} s TTL: etcd could not keep up; this is where this machine stops"))?
                 .1;
         }
         if name == "rest" {
