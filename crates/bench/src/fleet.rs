@@ -16,9 +16,10 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use rootrank_core::{GroupId, Keys};
 use rootrank_store::embedded::{EmbeddedEtcd, EtcdOptions};
-use rootrank_store::etcd_client::{Client, GetOptions};
+use rootrank_store::etcd_client::Client;
 use serde_json::{json, Value};
 
+use crate::mass_death::{certified, totals, wait_for};
 use crate::procs::{Coordinator, Env};
 use crate::state::{self, KeepAlives, Put};
 use crate::util::{http_client, rss_bytes, CpuMark, Dist};
@@ -65,7 +66,8 @@ impl FleetCfg {
     }
 }
 
-const PREFIX: &str = "/rootrank/v1";
+/// The same prefix as the mass-death part, whose readers (`totals`, `certified`) it shares.
+const PREFIX: &str = crate::mass_death::PREFIX;
 const HOST_RANKS: usize = 8;
 const GROUP_SIZE: usize = 2 * HOST_RANKS;
 const STEP: Duration = Duration::from_secs(600);
@@ -139,45 +141,16 @@ pub fn summary_line(sizes: &[Value], rack_ranks: usize) -> String {
 
 /// A 3-member cluster with etcd's production timing and a quota for the fleet's history.
 fn start_cluster(dir: &std::path::Path) -> anyhow::Result<Vec<EmbeddedEtcd>> {
-    let ports: Vec<(u16, u16)> = (0..3)
-        .map(|_| Ok((crate::util::free_port()?, crate::util::free_port()?)))
-        .collect::<anyhow::Result<_>>()?;
-    let initial = ports
-        .iter()
-        .enumerate()
-        .map(|(i, (_, p))| format!("m{i}=http://127.0.0.1:{p}"))
-        .collect::<Vec<_>>()
-        .join(",");
-    let mut members = Vec::new();
-    for (i, (c, p)) in ports.iter().enumerate() {
-        let opts = EtcdOptions {
-            fast: false,
-            client_port: *c,
-            peer_port: *p,
-            name: format!("m{i}"),
-            initial_cluster: Some(initial.clone()),
-            wait_healthy: false,
-            extra_args: vec![
-                "--quota-backend-bytes".into(),
-                crate::procs::LARGE_QUOTA_BYTES.to_string(),
-            ],
-        };
-        members.push(
-            EmbeddedEtcd::start(&dir.join(format!("m{i}")), &opts)
-                .map_err(|e| anyhow::anyhow!("etcd member {i}: {e}"))?,
-        );
-    }
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !members
-        .iter()
-        .all(|m| rootrank_store::embedded::health_ok(&format!("127.0.0.1:{}", m.client_port())))
-    {
-        if Instant::now() > deadline {
-            bail!("etcd cluster not healthy in 60 s");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    Ok(members)
+    let opts = EtcdOptions {
+        fast: false,
+        extra_args: vec![
+            "--quota-backend-bytes".into(),
+            crate::procs::LARGE_QUOTA_BYTES.to_string(),
+        ],
+        ..EtcdOptions::default()
+    };
+    rootrank_store::embedded::start_cluster(dir, 3, &opts, Duration::from_secs(60))
+        .map_err(|e| anyhow::anyhow!("a 3-member etcd cluster would not start: {e}"))
 }
 
 /// Ranks `0..8` of the groups `groups` (the first host of each).
@@ -533,55 +506,4 @@ async fn long_poll_probe(
         Ok(Some((true, answered))) => Some(answered.saturating_duration_since(acked)),
         _ => None,
     })
-}
-
-/// (live, down, revision) over every group of `/v1/groups`.
-async fn totals(http: &reqwest::Client, url: &str) -> Option<(u64, u64, i64)> {
-    let r = http.get(format!("{url}/v1/groups")).send().await.ok()?;
-    if r.status().as_u16() != 200 {
-        return None;
-    }
-    let v: Value = r.json().await.ok()?;
-    let groups = v["groups"].as_array()?;
-    let sum = |field: &str| groups.iter().map(|g| g[field].as_u64().unwrap_or(0)).sum::<u64>();
-    Some((sum("live"), sum("down"), v["revision"].as_i64().unwrap_or(0)))
-}
-
-/// Down certificates in etcd, read in pages.
-async fn certified(client: &mut Client) -> anyhow::Result<usize> {
-    let (mut from, end) = (format!("{PREFIX}/groups/"), format!("{PREFIX}/groups0"));
-    let mut count = 0;
-    loop {
-        let opts = GetOptions::new()
-            .with_range(end.as_str())
-            .with_keys_only()
-            .with_limit(20_000);
-        let r = client.get(from.as_str(), Some(opts)).await?;
-        count += r
-            .kvs()
-            .iter()
-            .filter(|kv| String::from_utf8_lossy(kv.key()).contains("/down/"))
-            .count();
-        match r.kvs().last() {
-            Some(kv) if r.more() => from = format!("{}\0", String::from_utf8_lossy(kv.key())),
-            _ => return Ok(count),
-        }
-    }
-}
-
-async fn wait_for<T, F, Fut>(within: Duration, what: &str, mut f: F) -> anyhow::Result<T>
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Option<T>>,
-{
-    let deadline = Instant::now() + within;
-    loop {
-        if let Some(v) = f().await {
-            return Ok(v);
-        }
-        if Instant::now() > deadline {
-            bail!("{what}: not within {within:?}");
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 }

@@ -42,7 +42,7 @@ impl MassDeathCfg {
     }
 }
 
-const PREFIX: &str = "/rootrank/v1";
+pub(crate) const PREFIX: &str = "/rootrank/v1";
 const GROUP_SIZE: u32 = 8;
 /// Longest any step may take before the size is recorded as failed.
 const STEP: Duration = Duration::from_secs(600);
@@ -178,7 +178,7 @@ async fn one(env: &Env, n: usize, readers: usize, node_watch: Option<&std::path:
 }
 
 /// (live, down, revision) over every group of `/v1/groups`.
-async fn totals(http: &reqwest::Client, url: &str) -> Option<(u64, u64, i64)> {
+pub(crate) async fn totals(http: &reqwest::Client, url: &str) -> Option<(u64, u64, i64)> {
     let r = http.get(format!("{url}/v1/groups")).send().await.ok()?;
     if r.status().as_u16() != 200 {
         return None;
@@ -202,7 +202,7 @@ async fn sample_readyz(http: reqwest::Client, url: String, on: Arc<AtomicBool>) 
 }
 
 /// Down certificates in etcd, read in pages (100,000 keys are over gRPC's 4 MiB answer).
-async fn certified(client: &mut Client) -> anyhow::Result<usize> {
+pub(crate) async fn certified(client: &mut Client) -> anyhow::Result<usize> {
     let (mut from, end) = (format!("{PREFIX}/groups/"), format!("{PREFIX}/groups0"));
     let mut count = 0;
     loop {
@@ -223,7 +223,7 @@ async fn certified(client: &mut Client) -> anyhow::Result<usize> {
     }
 }
 
-async fn wait_for<T, F, Fut>(within: Duration, what: &str, mut f: F) -> anyhow::Result<T>
+pub(crate) async fn wait_for<T, F, Fut>(within: Duration, what: &str, mut f: F) -> anyhow::Result<T>
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Option<T>>,

@@ -249,6 +249,54 @@ pub fn why_etcd_exited(log: &str) -> String {
     }
 }
 
+/// Starts an `n`-member cluster on free loopback ports, member `i` named `m{i}` with its data
+/// in `dir/m{i}`, each with `base`'s other options, and waits until every member has a
+/// leader (up to `within`).
+pub fn start_cluster(
+    dir: &Path,
+    n: usize,
+    base: &EtcdOptions,
+    within: Duration,
+) -> Result<Vec<EmbeddedEtcd>, EmbeddedError> {
+    let ports: Vec<(u16, u16)> = (0..n)
+        .map(|_| Ok((free_port()?, free_port()?)))
+        .collect::<Result<_, EmbeddedError>>()?;
+    let initial = ports
+        .iter()
+        .enumerate()
+        .map(|(i, (_, p))| format!("m{i}=http://127.0.0.1:{p}"))
+        .collect::<Vec<_>>()
+        .join(",");
+    let mut members = Vec::new();
+    for (i, (c, p)) in ports.iter().enumerate() {
+        let opts = EtcdOptions {
+            client_port: *c,
+            peer_port: *p,
+            name: format!("m{i}"),
+            initial_cluster: Some(initial.clone()),
+            // A member cannot answer before quorum: the whole cluster is waited for below.
+            wait_healthy: false,
+            ..base.clone()
+        };
+        members.push(EmbeddedEtcd::start(&dir.join(format!("m{i}")), &opts)?);
+    }
+    let deadline = Instant::now() + within;
+    while !members
+        .iter()
+        .all(|m| health_ok(&format!("127.0.0.1:{}", m.client_port())))
+    {
+        if Instant::now() > deadline {
+            return Err(EmbeddedError::Timeout {
+                url: members.iter().map(EmbeddedEtcd::endpoint).collect::<Vec<_>>().join(","),
+                secs: within.as_secs(),
+                log: dir.display().to_string(),
+            });
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Ok(members)
+}
+
 /// etcd answers `/health` with `{"health":"true"}` once it has a leader.
 pub fn health_ok(addr: &str) -> bool {
     use std::io::{Read, Write};

@@ -60,37 +60,8 @@ pub struct EtcdCluster {
 impl EtcdCluster {
     pub fn start(n: usize) -> anyhow::Result<EtcdCluster> {
         let dir = tempfile::tempdir()?;
-        let ports: Vec<(u16, u16)> = (0..n)
-            .map(|_| Ok((free_port()?, free_port()?)))
-            .collect::<anyhow::Result<_>>()?;
-        let initial = ports
-            .iter()
-            .enumerate()
-            .map(|(i, (_, p))| format!("m{i}=http://127.0.0.1:{p}"))
-            .collect::<Vec<_>>()
-            .join(",");
-        let mut members = Vec::new();
-        for (i, (c, p)) in ports.iter().enumerate() {
-            let opts = EtcdOptions {
-                client_port: *c,
-                peer_port: *p,
-                name: format!("m{i}"),
-                initial_cluster: Some(initial.clone()),
-                wait_healthy: false,
-                ..EtcdOptions::default()
-            };
-            members.push(EmbeddedEtcd::start(&dir.path().join(format!("m{i}")), &opts)?);
-        }
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while !members
-            .iter()
-            .all(|m| rootrank_store::embedded::health_ok(&format!("127.0.0.1:{}", m.client_port())))
-        {
-            if Instant::now() > deadline {
-                bail!("etcd cluster not healthy in 30 s");
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        let members =
+            rootrank_store::embedded::start_cluster(dir.path(), n, &EtcdOptions::default(), Duration::from_secs(30))?;
         Ok(EtcdCluster { members, _dir: dir })
     }
 
