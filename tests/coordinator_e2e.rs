@@ -355,6 +355,10 @@ async fn bad_input_gets_json_errors_and_bad_etcd_values_are_skipped_and_counted(
         ("/v1/groups/nope-never-seen".into(), 404, "unknown_group"),
         ("/v1/groups/a%20b".into(), 400, "invalid_group"),
         ("/v1/failures?limit=0".into(), 400, "invalid_limit"),
+        ("/v1/groups?limit=0".into(), 400, "invalid_limit"),
+        ("/v1/groups?limit=10001".into(), 400, "invalid_limit"),
+        ("/v1/groups?after=prefill-1".into(), 400, "invalid_query"),
+        ("/v1/groups?limit=5&after=a%20b".into(), 400, "invalid_group"),
         ("/v2/anything".into(), 404, "not_found"),
         (format!("/v1/rooms/{huge}/verdict"), 400, "request_too_large"),
         (
@@ -563,4 +567,42 @@ async fn groups_etcd_no_longer_holds_are_forgotten_after_their_retention() {
         rss.push(coord.pid().map_or(0, rss_kib));
     }
     eprintln!("coordinator RSS (KiB) before and after each wave of {per_wave} instance restarts: {rss:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn groups_page_through_in_key_order_with_a_cursor() {
+    let etcd = Etcd::start().unwrap();
+    let coord = Coordinator::start(&etcd.endpoint(), &[]).await.unwrap();
+    let _a = ranks(&etcd, "page-c", 1, 5000);
+    let _b = ranks(&etcd, "page-a", 2, 5000);
+    let _c = ranks(&etcd, "page-b", 1, 5000);
+    let all = eventually(T, "three groups", || async {
+        let (_, all) = coord.get("/v1/groups").await.ok()?;
+        (all["groups"].as_array()?.len() == 3).then_some(all)
+    })
+    .await
+    .unwrap();
+    assert!(all.get("next").is_none(), "a whole answer has no cursor: {all}");
+    // Two at a time, following `next`: the same groups, in key order, and then no cursor.
+    let (status, first) = coord.get("/v1/groups?limit=2").await.unwrap();
+    assert_eq!(status, 200, "{first}");
+    let names = |v: &Value| -> Vec<String> {
+        v["groups"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|g| g["group"].as_str().unwrap().to_string())
+            .collect()
+    };
+    assert_eq!(names(&first), ["page-a", "page-b"], "{first}");
+    assert_eq!(first["next"], "page-b", "{first}");
+    assert_eq!(first["groups"][0]["live"], 2, "{first}");
+    let (_, second) = coord.get("/v1/groups?limit=2&after=page-b").await.unwrap();
+    assert_eq!(names(&second), ["page-c"], "{second}");
+    assert!(second["next"].is_null(), "{second}");
+    // A cursor is a group id, not an offset: one that is not a group still pages from there.
+    let (_, from_gap) = coord.get("/v1/groups?limit=10&after=page-a0").await.unwrap();
+    assert_eq!(names(&from_gap), ["page-b", "page-c"], "{from_gap}");
+    let (_, whole) = coord.get("/v1/groups").await.unwrap();
+    assert_eq!(names(&whole), ["page-a", "page-b", "page-c"]);
 }

@@ -395,12 +395,38 @@ impl VerdictCache {
     }
 }
 
+/// Most groups one `GET /v1/groups?limit=` page holds.
+const GROUPS_PAGE_MAX: usize = 10_000;
+
 async fn groups(State(shared): State<Arc<Shared>>, RawQuery(raw): RawQuery) -> Result<Response, ApiError> {
-    parse_query(raw, &[])?;
+    let q = parse_query(raw, &["limit", "after"])?;
+    let limit = q
+        .get("limit")
+        .map(|l| match l.parse::<usize>() {
+            Ok(n) if (1..=GROUPS_PAGE_MAX).contains(&n) => Ok(n),
+            _ => Err(ApiError::bad(
+                "invalid_limit",
+                format!("limit {:?}: an integer 1..={GROUPS_PAGE_MAX}", truncate(l)),
+            )),
+        })
+        .transpose()?;
+    let after = q.get("after").map(|g| parse_group(g)).transpose()?;
+    if after.is_some() && limit.is_none() {
+        return Err(ApiError::bad(
+            "invalid_query",
+            "after= pages through groups and needs limit= (e.g. ?limit=1000&after=GROUP)",
+        ));
+    }
     ensure_ready(&shared)?;
     let index = shared.index.read().map_err(|_| ApiError::not_ready())?;
     // The revision lets a client that got 410 from /v1/events resume after this answer.
-    let body = json!({ "groups": index.groups(), "revision": index.revision() });
+    let body = match limit {
+        None => json!({ "groups": index.groups(), "revision": index.revision() }),
+        Some(limit) => {
+            let (page, next) = index.groups_page(after.as_ref(), limit);
+            json!({ "groups": page, "revision": index.revision(), "next": next })
+        }
+    };
     drop(index);
     Ok(Json(body).into_response())
 }

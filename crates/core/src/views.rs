@@ -264,8 +264,18 @@ impl Index {
 
     /// All groups at a glance (`GET /v1/groups`).
     pub fn groups(&self) -> Vec<GroupSummary> {
-        self.groups
-            .iter()
+        self.groups_page(None, usize::MAX).0
+    }
+
+    /// At most `limit` groups in key order, those after `after` (`GET /v1/groups?limit=&after=`),
+    /// and the group to ask `after` next when more remain. A cursor is a group id, not an
+    /// offset, so groups that appear or go meanwhile never shift a page.
+    pub fn groups_page(&self, after: Option<&GroupId>, limit: usize) -> (Vec<GroupSummary>, Option<GroupId>) {
+        use std::ops::Bound;
+        let from = after.map_or(Bound::Unbounded, Bound::Excluded);
+        let mut page: Vec<GroupSummary> = self
+            .groups
+            .range((from, Bound::Unbounded))
             .filter_map(|g| {
                 let view = self.group(g)?;
                 let count = |k: RankStateKind| view.ranks.iter().filter(|r| r.state == k).count() as u32;
@@ -279,7 +289,15 @@ impl Index {
                     role: self.group_role(g).map(str::to_string),
                 })
             })
-            .collect()
+            .take(limit.saturating_add(1))
+            .collect();
+        let next = if page.len() > limit {
+            page.truncate(limit);
+            page.last().map(|g| g.group.clone())
+        } else {
+            None
+        };
+        (page, next)
     }
 
     /// Ranks that are up (`true`) or down (`false`), for `rootrank_rank_up`. Ranks that shut
