@@ -157,6 +157,32 @@ fn an_etcd_that_takes_smaller_transactions_gets_every_record_in_smaller_batches(
     });
 }
 
+#[test]
+fn batches_etcd_takes_whole_and_batches_it_splits_all_land_in_order() {
+    // 300 records make batches of 128, 128 and 44: etcd (at most 100 operations) refuses the
+    // first two, which are split, and takes the last whole, all while in flight together.
+    let etcd = Etcd::start_with(&["--max-txn-ops", "100"]).unwrap();
+    runtime().block_on(async {
+        let mut c = Client::connect([etcd.endpoint()], None).await.unwrap();
+        let keys: Vec<String> = (0..300).map(|i| format!("/mixed/k{i:03}")).collect();
+        let values: Vec<String> = (0..300).map(|i| format!("v{i}")).collect();
+        let records: Vec<(&str, &[u8])> = keys
+            .iter()
+            .zip(&values)
+            .map(|(k, v)| (k.as_str(), v.as_bytes()))
+            .collect();
+        let out = writer(&etcd).write_records(&records, None).await;
+        assert_eq!(out.len(), 300, "one outcome per record");
+        assert!(out.iter().all(|w| *w == Written::Yes), "{out:?}");
+        let s = state(&mut c, "/mixed/").await;
+        assert_eq!(s.len(), 300, "every record landed");
+        for (i, v) in values.iter().enumerate() {
+            let k = format!("k{i:03}");
+            assert_eq!(s[&k].0, v.as_bytes(), "{k}");
+        }
+    });
+}
+
 fn agent(etcd: &Etcd, group: &str) -> Agent {
     let mut cfg = AgentConfig::new(vec![etcd.endpoint()], group, 2, 8).unwrap();
     cfg.queue_capacity = 10_000;

@@ -83,6 +83,17 @@ pub enum Written {
     Rejected,
 }
 
+impl Written {
+    /// A create-if-absent that etcd answered: `created` is whether this value was put.
+    fn from_created(created: bool) -> Written {
+        if created {
+            Written::Yes
+        } else {
+            Written::AlreadyThere
+        }
+    }
+}
+
 /// Why one attempt failed: worth retrying, or never going to succeed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum WriteError {
@@ -324,19 +335,20 @@ impl RetainedWriter {
         // round), so a 100,000-record batch does not wait 800 round trips end to end. Only
         // when no key repeats: a later value applied first would win over an earlier one.
         // What this pass does not write goes through the careful path below, in order.
-        let mut first_pass = if todo.len() > 1 && distinct_keys(records) {
+        let first_pass = if todo.len() > 1 && distinct_keys(records) {
             self.write_in_flight(records, &todo).await
         } else {
             Vec::new()
-        }
-        .into_iter();
-        while let Some(range) = todo.pop_front() {
-            if let Some(Some(written)) = first_pass.next() {
-                out.extend(
-                    written
-                        .into_iter()
-                        .map(|w| if w { Written::Yes } else { Written::AlreadyThere }),
-                );
+        };
+        // Each range with what the first pass wrote of it (`None`: still to write). The
+        // halves of a batch split below have none, so they never take another batch's answer.
+        let mut todo: std::collections::VecDeque<_> = todo
+            .into_iter()
+            .zip(first_pass.into_iter().chain(std::iter::repeat(None)))
+            .collect();
+        while let Some((range, written)) = todo.pop_front() {
+            if let Some(created) = written {
+                out.extend(created.into_iter().map(Written::from_created));
                 continue;
             }
             let batch = &records[range.clone()];
@@ -348,8 +360,8 @@ impl RetainedWriter {
                 Some(written) => out.extend(written),
                 None => {
                     let mid = range.start + batch.len() / 2;
-                    todo.push_front(mid..range.end);
-                    todo.push_front(range.start..mid);
+                    todo.push_front((mid..range.end, None));
+                    todo.push_front((range.start..mid, None));
                 }
             }
         }
@@ -398,12 +410,7 @@ impl RetainedWriter {
                 Ok(written) => {
                     self.backoff.reset();
                     self.set_refused(None);
-                    return Some(
-                        written
-                            .into_iter()
-                            .map(|w| if w { Written::Yes } else { Written::AlreadyThere })
-                            .collect(),
-                    );
+                    return Some(written.into_iter().map(Written::from_created).collect());
                 }
                 Err(WriteError::Permanent(e)) => {
                     debug!(error = %e, records = batch.len(), "batch rejected by etcd; splitting it");
@@ -438,7 +445,7 @@ impl RetainedWriter {
                 Ok(written) => {
                     self.backoff.reset();
                     self.set_refused(None);
-                    return if written { Written::Yes } else { Written::AlreadyThere };
+                    return Written::from_created(written);
                 }
                 Err(e @ WriteError::Permanent(_)) => {
                     // Logged once per writer: the first says what is wrong, the count says how often.
