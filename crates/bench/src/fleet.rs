@@ -19,7 +19,7 @@ use rootrank_store::embedded::{EmbeddedEtcd, EtcdOptions};
 use rootrank_store::etcd_client::Client;
 use serde_json::{json, Value};
 
-use crate::mass_death::{certified, totals, wait_for};
+use crate::mass_death::{all_live, certified, totals};
 use crate::procs::{Coordinator, Env};
 use crate::state::{self, KeepAlives, Put};
 use crate::util::{http_client, rss_bytes, CpuMark, Dist};
@@ -213,7 +213,9 @@ async fn one(env: &Env, cfg: &FleetCfg, n: usize) -> anyhow::Result<Value> {
             if t.elapsed() > REGISTER_LIMIT {
                 bail!(
                     "etcd could not register {n} ranks within {REGISTER_LIMIT:?} ({} leader changes meanwhile): this is where this machine stops",
-                    leader_changes(&probe_http, &endpoints).await
+                    leader_changes(&probe_http, &endpoints)
+                        .await
+                        .saturating_sub(leader_changes_idle)
                 );
             }
             let leases = state::grant_leases(&clients, chunk.len(), ttl_s, 64)
@@ -273,19 +275,18 @@ async fn one(env: &Env, cfg: &FleetCfg, n: usize) -> anyhow::Result<Value> {
     let coordinator = Coordinator::start(env, &endpoints.join(","), PREFIX, STEP).await?;
     let start_to_ready_s = coordinator.start_to_ready.as_secs_f64();
     let http = http_client(Duration::from_secs(30))?;
-    wait_for(STEP, "every rank live on the coordinator", || async {
-        totals(&http, &coordinator.url)
-            .await
-            .filter(|t| t.0 == n as u64)
-            .map(|_| ())
-    })
-    .await?;
+    all_live(&http, &coordinator.url, n).await?;
 
     // Steady state.
-    let all_sets = || sets.iter().flat_map(|s| s.2.iter()).chain(&steady_keepalives);
-    let sent_before: u64 = all_sets()
-        .map(|k| k.sent.load(std::sync::atomic::Ordering::Relaxed))
-        .sum();
+    // One counter of every keepalive task, summed.
+    let count = |field: fn(&KeepAlives) -> &std::sync::atomic::AtomicU64| -> u64 {
+        sets.iter()
+            .flat_map(|s| s.2.iter())
+            .chain(&steady_keepalives)
+            .map(|k| field(k).load(std::sync::atomic::Ordering::Relaxed))
+            .sum()
+    };
+    let sent_before = count(|k| &k.sent);
     let leaders_before = leader_changes(&probe_http, &endpoints).await;
     let mark = CpuMark::take(&etcd_pids);
     let coord_mark = CpuMark::take(&[coordinator.pid]);
@@ -317,16 +318,9 @@ async fn one(env: &Env, cfg: &FleetCfg, n: usize) -> anyhow::Result<Value> {
     let etcd_cpu_s: f64 = etcd_cpu_members.iter().sum();
     let (coord_cpu, _) = coord_mark.since(&[coordinator.pid]);
     let coord_cpu_s: f64 = coord_cpu.iter().sum();
-    let sent_after: u64 = all_sets()
-        .map(|k| k.sent.load(std::sync::atomic::Ordering::Relaxed))
-        .sum();
-    let keepalives_per_s = (sent_after - sent_before) as f64 / window_s;
-    let failed: u64 = all_sets()
-        .map(|k| k.failed.load(std::sync::atomic::Ordering::Relaxed))
-        .sum();
-    let expired: u64 = all_sets()
-        .map(|k| k.expired.load(std::sync::atomic::Ordering::Relaxed))
-        .sum();
+    let keepalives_per_s = (count(|k| &k.sent) - sent_before) as f64 / window_s;
+    let failed = count(|k| &k.failed);
+    let expired = count(|k| &k.expired);
     let leader_changes_in_window = leader_changes(&probe_http, &endpoints)
         .await
         .saturating_sub(leaders_before);
@@ -354,16 +348,15 @@ async fn one(env: &Env, cfg: &FleetCfg, n: usize) -> anyhow::Result<Value> {
 
     // The failures, one after the other; `down` and certificates count up across them.
     let mut failures = serde_json::Map::new();
-    let mut down_expected = 0u64;
-    let mut certified_expected = 0usize;
+    // Ranks failed so far: each must end down on the coordinator and certified in etcd.
+    let mut dead = 0usize;
     for (name, ranks, keepalives) in sets {
         let dead_groups: Vec<usize> = {
             let mut g: Vec<usize> = ranks.iter().map(|x| x.0).collect();
             g.dedup();
             g
         };
-        down_expected += ranks.len() as u64;
-        certified_expected += ranks.len();
+        dead += ranks.len();
         let stopped = Instant::now();
         for k in keepalives {
             k.stop();
@@ -372,7 +365,7 @@ async fn one(env: &Env, cfg: &FleetCfg, n: usize) -> anyhow::Result<Value> {
         let mut puts = Vec::new();
         let mut rooms = Vec::new();
         for &g in &dead_groups {
-            let room = state::room_id(2900 + down_expected, g as u64);
+            let room = state::room_id(2900 + dead as u64, g as u64);
             for r in HOST_RANKS as u32..GROUP_SIZE as u32 {
                 puts.push(Put {
                     key: keys.room(&gids[g], rootrank_core::RoomId::new(room)?, r),
@@ -394,11 +387,11 @@ async fn one(env: &Env, cfg: &FleetCfg, n: usize) -> anyhow::Result<Value> {
             if down_s.is_none()
                 && totals(&http, &coordinator.url)
                     .await
-                    .is_some_and(|t| t.1 >= down_expected)
+                    .is_some_and(|t| t.1 >= dead as u64)
             {
                 down_s = Some(stopped.elapsed().as_secs_f64());
             }
-            if certified_s.is_none() && certified(&mut clients[2].clone()).await? >= certified_expected {
+            if certified_s.is_none() && certified(&mut clients[2].clone()).await? >= dead {
                 certified_s = Some(stopped.elapsed().as_secs_f64());
             }
             if resolved_s.is_none() {

@@ -88,13 +88,7 @@ async fn one(env: &Env, n: usize, readers: usize, node_watch: Option<&std::path:
     state::write_all(&clients, puts, 2).await?;
     let coordinator = Coordinator::start(env, &endpoint, PREFIX, STEP).await?;
     let http = http_client(Duration::from_secs(10))?;
-    wait_for(STEP, "every rank live on the coordinator", || async {
-        totals(&http, &coordinator.url)
-            .await
-            .filter(|t| t.0 == n as u64)
-            .map(|_| ())
-    })
-    .await?;
+    all_live(&http, &coordinator.url, n).await?;
     let node = match node_watch {
         Some(bin) => Some(NodeWatch::start(bin, &dir, &endpoint).await?),
         None => None,
@@ -175,6 +169,14 @@ async fn one(env: &Env, n: usize, readers: usize, node_watch: Option<&std::path:
     });
     eprintln!("rootrank-bench: mass-death: {v}");
     Ok(v)
+}
+
+/// Waits until the coordinator counts `n` live ranks.
+pub(crate) async fn all_live(http: &reqwest::Client, url: &str, n: usize) -> anyhow::Result<()> {
+    wait_for(STEP, "every rank live on the coordinator", || async {
+        totals(http, url).await.filter(|t| t.0 == n as u64).map(|_| ())
+    })
+    .await
 }
 
 /// (live, down, revision) over every group of `/v1/groups`.

@@ -414,11 +414,10 @@ pub async fn write_rooms(
     Ok((room_list, records))
 }
 
-/// Several connections to one etcd. Bulk loading gets a longer request timeout than
+/// `n` connections to etcd at `endpoint` (comma-separated for a cluster: each connection is
+/// given every member, as agents are). Bulk loading gets a longer request timeout than
 /// rootrank's own 2 s (`rootrank_store::REQUEST_TIMEOUT`): an etcd busy renewing tens of
 /// thousands of leases answers a 128-op transaction slowly, and a timeout would only retry it.
-/// `n` connections to etcd at `endpoint` (comma-separated for a cluster: each connection is
-/// given every member, as agents are).
 pub async fn clients(endpoint: &str, n: usize) -> anyhow::Result<Vec<Client>> {
     use rootrank_store::etcd_client::ConnectOptions;
     let endpoints: Vec<&str> = endpoint.split(',').collect();
