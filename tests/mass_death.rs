@@ -206,15 +206,18 @@ async fn mass_death(ranks: u32) {
 }
 
 /// The node watchdog's follower under the same mass death ("both followers", issue 28): 16,000
-/// live keys of other hosts on one lease revoked under read load. node-watch applies every
-/// delete (its log counts them), and a rank of this host that registers right after the
-/// deletes and is SIGKILLed is certified through its pidfd, as is one that ran before: had
-/// the follower skipped past the deletes or stalled in them, the new rank would not be
-/// watched, and with no coordinator running nothing else certifies it (its lease is 30 s).
+/// live keys of other hosts on one lease revoked under read load. A node-watch watching the
+/// whole fleet (`--watch-scope fleet`) applies every delete (its log counts them), and a rank
+/// of this host that registers right after the deletes and is SIGKILLed is certified through
+/// its pidfd, as is one that ran before: had the follower skipped past the deletes or stalled
+/// in them, the new rank would not be watched, and with no coordinator running nothing else
+/// certifies it (its lease is 30 s). A node-watch in the default host scope, beside it,
+/// receives none of the fleet's keys (issue 29: watch traffic independent of the fleet's
+/// size, `rootrank_node_watch_events_total`) and watches the same two ranks.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn node_watch_applies_a_mass_death_whole_and_still_certifies_the_ranks_of_its_host() {
     use rootrank_testkit::node::{wait_certificate, NodeWatch};
-    use rootrank_testkit::Rank;
+    use rootrank_testkit::{free_port, Rank};
     let _one = ONE_AT_A_TIME.lock().await;
     let etcd = Etcd::start().unwrap();
     let ep = etcd.endpoint();
@@ -243,20 +246,30 @@ async fn node_watch_applies_a_mass_death_whole_and_still_certifies_the_ranks_of_
             .collect();
         client.txn(Txn::new().and_then(ops)).await.unwrap();
     }
-    let watch = NodeWatch::start(&ep).unwrap();
-    eventually(T, "node-watch loaded", || {
-        let done = watch.log_text().contains("node watchdog loaded the ranks from etcd");
-        async move { done.then_some(()) }
-    })
-    .await
-    .unwrap();
+    let watch = NodeWatch::start_with(&ep, &["--watch-scope", "fleet"]).unwrap();
+    let metrics = format!("127.0.0.1:{}", free_port().unwrap());
+    let host_watch = NodeWatch::start_with(&ep, &["--metrics-listen", &metrics]).unwrap();
+    for w in [&watch, &host_watch] {
+        eventually(T, "node-watch loaded", || {
+            let done = w.log_text().contains("node watchdog loaded the ranks from etcd");
+            async move { done.then_some(()) }
+        })
+        .await
+        .unwrap();
+    }
     assert!(
         watch.log_text().contains(&format!("live={ranks} ")),
         "node-watch loaded the fleet: {}",
         watch.log_text()
     );
+    assert!(
+        host_watch.log_text().contains("keys=0 live=0 "),
+        "node-watch in the host scope loaded nothing of other hosts: {}",
+        host_watch.log_text()
+    );
     let mut before = Rank::start(&ep, "local-0", 0, 2, 30_000).unwrap();
     watch.wait_watching("local-0", 0, before.pid).await.unwrap();
+    host_watch.wait_watching("local-0", 0, before.pid).await.unwrap();
 
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let mut load = Vec::new();
@@ -274,6 +287,7 @@ async fn node_watch_applies_a_mass_death_whole_and_still_certifies_the_ranks_of_
     client.lease_revoke(lease).await.unwrap();
     let mut after = Rank::start(&ep, "local-0", 1, 2, 30_000).unwrap();
     watch.wait_watching("local-0", 1, after.pid).await.unwrap();
+    host_watch.wait_watching("local-0", 1, after.pid).await.unwrap();
     let applied = format!("live_gone_total={ranks} ");
     eventually(T, "node-watch applied every delete", || {
         let done = watch.log_text().contains(&applied);
@@ -284,6 +298,13 @@ async fn node_watch_applies_a_mass_death_whole_and_still_certifies_the_ranks_of_
     eprintln!(
         "node-watch applied {ranks} deletes {:.1} s after the revoke",
         revoked_at.elapsed().as_secs_f64()
+    );
+    // The fleet's 16,000 puts and 16,000 deletes went to the fleet-scope watch; the host
+    // scope's got its two ranks' live copies (and their two deletes, at most).
+    let events = node_watch_events(&metrics).await;
+    assert!(
+        (2..=8).contains(&events),
+        "the host-scope node-watch received {events} etcd keys; expected its 2 ranks' only"
     );
     let incarnations = [before.incarnation.clone(), after.incarnation.clone()];
     before.kill9();
@@ -297,4 +318,13 @@ async fn node_watch_applies_a_mass_death_whole_and_still_certifies_the_ranks_of_
     for l in load {
         let _ = l.await;
     }
+}
+
+/// `rootrank_node_watch_events_total` at a node-watch's `--metrics-listen`.
+async fn node_watch_events(addr: &str) -> u64 {
+    let text = rootrank_testkit::scrape_metrics(addr).await.unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix("rootrank_node_watch_events_total "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no rootrank_node_watch_events_total in:\n{text}"))
 }

@@ -10,8 +10,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use rootrank_agent::procfs;
-use rootrank_store::etcd_client::PutOptions;
-use rootrank_testkit::node::{client, list, live_key, wait_certificate, NodeWatch};
+use rootrank_testkit::node::{client, list, live_key, register_by_hand, wait_certificate, NodeWatch};
 use rootrank_testkit::{free_port, promtool_check_metrics, rootrank_bin, scrape_metrics, Etcd};
 
 /// A `rootrank rank` process as pid 1 of a new pid namespace (`unshare --pid --fork
@@ -146,12 +145,7 @@ async fn a_rank_in_its_own_pid_namespace_is_watched_by_its_host_pid_and_a_namesa
         "pid_ns": rank_ns,
         "start_ticks": procfs::start_ticks(Some(namesake_pid)).expect("start"),
     });
-    c.put(
-        live_key("prefill-0", 1),
-        serde_json::to_vec(&fake)?,
-        Some(PutOptions::new().with_lease(lease)),
-    )
-    .await?;
+    register_by_hand(&mut c, "prefill-0", 1, &fake, lease).await?;
     rootrank_testkit::eventually(Duration::from_secs(20), "node-watch refusing rank 1", || {
         let log = watch.log_text();
         async move { log.contains("cannot verify this rank's process").then_some(()) }
@@ -186,15 +180,18 @@ async fn a_rank_in_its_own_pid_namespace_is_watched_by_its_host_pid_and_a_namesa
     let log = watch.log_text();
     assert!(!log.contains("watching prefill-0/1 "), "{log}");
     assert!(log.contains("rootrank_unverified_pids_total=1"), "{log}");
-    // The same count is served, in the one family node-watch owns, and passes promtool.
+    // The same count is served, in the families node-watch owns, and passes promtool.
     let text = scrape_metrics(&metrics_addr).await?;
     assert!(text.contains("\nrootrank_unverified_pids_total 1\n"), "{text}");
-    assert!(
-        text.contains("# TYPE rootrank_unverified_pids_total counter\n"),
+    let families: Vec<&str> = text.lines().filter(|l| l.starts_with("# TYPE ")).collect();
+    assert_eq!(
+        families,
+        [
+            "# TYPE rootrank_node_watch_events_total counter",
+            "# TYPE rootrank_unverified_pids_total counter"
+        ],
         "{text}"
     );
-    let families: Vec<&str> = text.lines().filter(|l| l.starts_with("# TYPE ")).collect();
-    assert_eq!(families, ["# TYPE rootrank_unverified_pids_total counter"], "{text}");
     promtool_check_metrics(&text)?;
     Ok(())
 }

@@ -7,7 +7,6 @@
 use std::io::Write;
 use std::process::{Command, Stdio};
 
-use rootrank_store::etcd_client::PutOptions;
 use rootrank_testkit::node::{self, wait_certificate, NodeWatch};
 use rootrank_testkit::{require_root, Etcd, MemoryCgroup};
 
@@ -46,12 +45,7 @@ async fn oom_killed_rank_is_certified_oom_host() -> anyhow::Result<()> {
         "boot_id": read_trimmed("/proc/sys/kernel/random/boot_id"),
         "pid": pid, "lease_ttl_ms": 30_000,
     });
-    c.put(
-        node::live_key("oom-0", 0),
-        record.to_string(),
-        Some(PutOptions::new().with_lease(lease)),
-    )
-    .await?;
+    node::register_by_hand(&mut c, "oom-0", 0, &record, lease).await?;
     watch.wait_watching("oom-0", 0, pid).await?;
 
     let mut stdin = victim.stdin.take().ok_or_else(|| anyhow::anyhow!("no stdin"))?;

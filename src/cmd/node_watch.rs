@@ -20,7 +20,7 @@ pub struct NodeWatchArgs {
     /// The kernel log device to read OOM kills and GPU Xids from (default /dev/kmsg).
     #[arg(long)]
     pub kernel_log: Option<std::path::PathBuf>,
-    /// Serve Prometheus metrics (rootrank_unverified_pids_total) at http://ADDR/metrics,
+    /// Serve Prometheus metrics (rootrank_unverified_pids_total, rootrank_node_watch_events_total) at http://ADDR/metrics,
     /// e.g. 0.0.0.0:9751. Off by default.
     #[arg(long, env = "ROOTRANK_METRICS_LISTEN", value_name = "ADDR")]
     pub metrics_listen: Option<std::net::SocketAddr>,
@@ -28,6 +28,17 @@ pub struct NodeWatchArgs {
     /// on PATH, when there is one; `pip install py-spy`). `none` turns it off.
     #[arg(long, env = "ROOTRANK_PY_SPY", value_name = "PATH")]
     pub py_spy: Option<std::path::PathBuf>,
+    /// What to watch: `host`, only this host's ranks (the copies their agents keep under
+    /// `PREFIX/groups/_hosts/HOST/`: watch traffic independent of the fleet's size), or
+    /// `fleet`, all of `PREFIX/groups/` (for agents older than the host copies).
+    #[arg(long, value_enum, default_value_t = Scope::Host)]
+    pub watch_scope: Scope,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug)]
+pub enum Scope {
+    Host,
+    Fleet,
 }
 
 pub fn run(a: NodeWatchArgs) -> anyhow::Result<u8> {
@@ -38,6 +49,10 @@ pub fn run(a: NodeWatchArgs) -> anyhow::Result<u8> {
     config.supervisor_grace = Duration::from_millis(a.supervisor_grace_ms);
     config.kernel_log = a.kernel_log;
     config.metrics_listen = a.metrics_listen;
+    config.watch_scope = match a.watch_scope {
+        Scope::Host => rootrank_node::WatchScope::Host,
+        Scope::Fleet => rootrank_node::WatchScope::Fleet,
+    };
     config.py_spy = match a.py_spy {
         Some(p) if p.as_os_str() == "none" => None,
         Some(p) => Some(p),

@@ -8,8 +8,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use rootrank_core::records::{DownSource, RankDown, RankLive, RankStall, RoomFailure, SCHEMA_VERSION};
-use rootrank_core::{time, Incarnation, Keys, Reason};
-use rootrank_store::etcd_client::{Client, PutOptions};
+use rootrank_core::{time, HostCopyOf, Incarnation, Keys, Reason};
+use rootrank_store::etcd_client::{Client, PutOptions, Txn, TxnOp};
 use rootrank_store::{Backoff, EtcdAccess, LazyClient, Retained, RetainedWriter, Written};
 use tokio::sync::{mpsc, watch};
 use tracing::{debug, error, info, info_span, warn, Instrument};
@@ -431,6 +431,9 @@ impl Liveness {
 async fn stall_watch(config: AgentConfig, mut client: Client, shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
     let keys = Keys::new(&config.prefix);
     let key = keys.stall(&config.group, config.rank);
+    // Written and deleted with the record, in one transaction: both have the same create
+    // revision, which node-watch's stack write compares against the record's.
+    let copy = host_copy(&config, HostCopyOf::Stall);
     let mut detector = crate::stall::StallDetector::new(config.stall_after);
     let mono_ms = crate::stall::monotonic_ms;
     // (incarnation, since_ms, stalled_ms) of the record to keep in etcd; the incarnation it is
@@ -460,7 +463,9 @@ async fn stall_watch(config: AgentConfig, mut client: Client, shared: Arc<Shared
                 want = None;
                 if written != 0 {
                     info!("this rank's loop advances again: deleting its stall record");
-                    if let Err(e) = client.delete(key.as_str(), None).await {
+                    let mut ops = vec![TxnOp::delete(key.as_str(), None)];
+                    ops.extend(copy.iter().map(|c| TxnOp::delete(c.as_str(), None)));
+                    if let Err(e) = client.txn(Txn::new().and_then(ops)).await {
                         // Deleted with the lease at the latest; the coordinator shows it stalled until then.
                         warn!(error = %e, "could not delete this rank's stall record");
                     }
@@ -493,16 +498,22 @@ async fn stall_watch(config: AgentConfig, mut client: Client, shared: Arc<Shared
             continue;
         };
         let opts = PutOptions::new().with_lease(incarnation);
-        match tokio::time::timeout(
-            rootrank_store::REQUEST_TIMEOUT,
-            client.put(key.as_str(), value, Some(opts)),
-        )
-        .await
-        {
+        let mut ops = vec![TxnOp::put(key.as_str(), value.clone(), Some(opts.clone()))];
+        ops.extend(
+            copy.iter()
+                .map(|c| TxnOp::put(c.as_str(), value.clone(), Some(opts.clone()))),
+        );
+        match tokio::time::timeout(rootrank_store::REQUEST_TIMEOUT, client.txn(Txn::new().and_then(ops))).await {
             Ok(Ok(_)) => written = incarnation,
             other => debug!(?other, "stall record not written yet; retrying"),
         }
     }
+}
+
+/// This rank's copy of its live or stall record under its host (`None` without a host that
+/// can name a key: such a rank is seen by `node-watch --watch-scope fleet` only).
+fn host_copy(config: &AgentConfig, of: HostCopyOf) -> Option<String> {
+    Keys::new(&config.prefix).host_copy(config.host.as_deref()?, &config.group, config.rank, of)
 }
 
 /// The live key's holder, when it is not us.
@@ -528,7 +539,13 @@ async fn register(
     value: Vec<u8>,
     lease: i64,
 ) -> Result<Registration, rootrank_store::etcd_client::Error> {
-    let kv = match rootrank_store::create_or_read(client, key, value.clone(), Some(lease)).await? {
+    // The host copy goes with the live key (same transaction, lease and revision): what a
+    // node-watch on this host watches.
+    let also: Vec<(String, Vec<u8>)> = host_copy(config, HostCopyOf::Live)
+        .map(|k| (k, value.clone()))
+        .into_iter()
+        .collect();
+    let kv = match rootrank_store::create_or_read(client, key, value.clone(), Some(lease), &also).await? {
         rootrank_store::Created::Yes { revision } => return Ok(Registration::Created(revision)),
         rootrank_store::Created::Held(None) => return Ok(Registration::Refused(None)),
         rootrank_store::Created::Held(Some(kv)) => kv,
@@ -550,7 +567,7 @@ async fn register(
     if let Some(why) = take_over {
         info!(holder = kv.lease(), "{why}");
         if let Some(revision) =
-            rootrank_store::put_if_unchanged(client, key, kv.mod_revision(), value, Some(lease)).await?
+            rootrank_store::put_if_unchanged(client, key, kv.mod_revision(), value, Some(lease), &also).await?
         {
             return Ok(Registration::Created(revision));
         }

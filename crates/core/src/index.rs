@@ -694,7 +694,7 @@ impl Index {
             return;
         };
         match kind {
-            KeyKind::Coordinator | KeyKind::Nixl { .. } => {}
+            KeyKind::Coordinator | KeyKind::Nixl { .. } | KeyKind::HostCopy { .. } => {}
             KeyKind::WindowEnd(window) => match crate::WindowEnd::parse(value) {
                 Err(e) => out.push(invalid("window", e.to_string())),
                 Ok(_) => self.window_end_landed(window, revision, now, out),

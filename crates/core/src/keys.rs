@@ -6,6 +6,8 @@
 //! {p}/groups/{group}/ranks/{rank}/nixl          (rootrank extension: NIXL agent metadata)
 //! {p}/groups/{group}/ranks/{rank}/stall         (v3: RankStall, on the liveness lease)
 //! {p}/groups/{group}/rooms/{room}/ranks/{rank}
+//! {p}/groups/_hosts/{host}/{group}/{rank}/live   (a copy of the live record, same lease)
+//! {p}/groups/_hosts/{host}/{group}/{rank}/stall  (a copy of the stall record, same lease)
 //! {p}/coordinators/...
 //! {p}/coordinators/windows/rooms/{room}                            (v4: a window's end)
 //! {p}/coordinators/windows/deaths/{group}/{rank}/{incarnation}
@@ -43,6 +45,16 @@ pub enum KeyKind {
     },
     /// v4: a coordinator's record that a window of SPEC section 5 ended (see [`Window`]).
     WindowEnd(Window),
+    /// A copy of a rank's live or stall record under its host (written with it, on the same
+    /// lease, so both have the same revisions): what `node-watch` watches, so its watch
+    /// carries its host's ranks only, whatever the fleet's size. Under `{p}/groups/` because
+    /// that is all a rank may write (SPEC section 7); `_` never starts a group id.
+    HostCopy {
+        host: String,
+        group: GroupId,
+        rank: Rank,
+        of: HostCopyOf,
+    },
     Coordinator,
 }
 
@@ -58,6 +70,26 @@ pub enum Window {
     Death(GroupId, Rank, Incarnation),
     /// A victim's window (rule 7): a candidate after its end no longer outranks the victim.
     Victim(GroupId, Rank, Incarnation),
+}
+
+/// Which record a [`KeyKind::HostCopy`] copies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HostCopyOf {
+    Live,
+    Stall,
+}
+
+/// Whether `host` can name a host in a key: 1-253 characters of a host name's
+/// ([A-Za-z0-9._-]). A rank whose host is anything else gets no host copies (and so is seen
+/// by a `node-watch --watch-scope fleet` only).
+pub fn is_key_host(host: &str) -> bool {
+    !host.is_empty()
+        && host.len() <= 253
+        && host
+            .bytes()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, b'.' | b'_' | b'-'))
+        && host != "."
+        && host != ".."
 }
 
 /// Builds and parses keys under one prefix.
@@ -104,6 +136,19 @@ impl Keys {
     pub fn room(&self, group: &GroupId, room: RoomId, rank: Rank) -> String {
         format!("{}/groups/{group}/rooms/{room}/ranks/{rank}", self.prefix)
     }
+    /// What `node-watch` on `host` watches: the copies of its ranks' live and stall records.
+    pub fn host_copies(&self, host: &str) -> String {
+        format!("{}/groups/_hosts/{host}/", self.prefix)
+    }
+    /// The copy of a rank's live or stall record under its host; `None` when `host` cannot
+    /// be a key segment ([`is_key_host`]).
+    pub fn host_copy(&self, host: &str, group: &GroupId, rank: Rank, of: HostCopyOf) -> Option<String> {
+        let leaf = match of {
+            HostCopyOf::Live => "live",
+            HostCopyOf::Stall => "stall",
+        };
+        is_key_host(host).then(|| format!("{}{group}/{rank}/{leaf}", self.host_copies(host)))
+    }
     pub fn coordinators(&self) -> String {
         format!("{}/coordinators/", self.prefix)
     }
@@ -135,6 +180,18 @@ impl Keys {
             }
             ["coordinators", "windows", ..] => None,
             ["coordinators", ..] => Some(KeyKind::Coordinator),
+            ["groups", "_hosts", host, g, r, leaf @ ("live" | "stall")] if is_key_host(host) => {
+                Some(KeyKind::HostCopy {
+                    host: host.to_string(),
+                    group: GroupId::new(g).ok()?,
+                    rank: parse_rank(r).ok()?,
+                    of: if *leaf == "live" {
+                        HostCopyOf::Live
+                    } else {
+                        HostCopyOf::Stall
+                    },
+                })
+            }
             ["groups", g, "ranks", r, "live"] => Some(KeyKind::Live {
                 group: GroupId::new(g).ok()?,
                 rank: parse_rank(r).ok()?,
@@ -209,6 +266,26 @@ mod tests {
                 rank: 0
             })
         );
+        for of in [HostCopyOf::Live, HostCopyOf::Stall] {
+            let key = k.host_copy("gpu-node-7.dc1", &g, 3, of).unwrap();
+            assert_eq!(
+                k.parse(key.as_bytes()),
+                Some(KeyKind::HostCopy {
+                    host: "gpu-node-7.dc1".into(),
+                    group: g.clone(),
+                    rank: 3,
+                    of
+                })
+            );
+            assert!(key.starts_with(&k.host_copies("gpu-node-7.dc1")));
+        }
+        assert_eq!(
+            k.host_copy("h", &g, 0, HostCopyOf::Live).as_deref(),
+            Some("/rootrank/v1/groups/_hosts/h/10.0.0.5:8998/0/live")
+        );
+        for bad_host in ["", "a/b", "..", "h st"] {
+            assert_eq!(k.host_copy(bad_host, &g, 0, HostCopyOf::Live), None, "{bad_host:?}");
+        }
         for w in [
             Window::Room(room),
             Window::Death(g.clone(), 2, inc),
@@ -235,6 +312,9 @@ mod tests {
             "/rootrank/v1/groups/-g/ranks/0/live",
             "/rootrank/v1/coordinators/windows/rooms/02009",
             "/rootrank/v1/coordinators/windows/deaths/g/0",
+            "/rootrank/v1/groups/_hosts/h/g/0/down",
+            "/rootrank/v1/groups/_hosts/../g/0/live",
+            "/rootrank/v1/groups/_hosts/h/-g/0/live",
         ] {
             assert_eq!(k.parse(bad.as_bytes()), None, "{bad}");
         }

@@ -27,7 +27,7 @@ pub mod views;
 pub use ids::{GroupId, IdError, Incarnation, Rank, Reason, RoomId};
 pub use index::RootCause;
 pub use index::{Event, Index, IndexConfig, LivedOn, Output};
-pub use keys::{KeyKind, Keys, Window};
+pub use keys::{is_key_host, HostCopyOf, KeyKind, Keys, Window};
 pub use records::{
     DownSource, ExitInfo, Origin, Peer, RankDown, RankLive, RankStall, RecordError, RoomFailure, WindowEnd,
 };

@@ -27,6 +27,7 @@ pub mod watch;
 
 pub use host::HostIdentity;
 pub use supervise::{supervise, SuperviseConfig, SupervisedExit};
+pub use sync::WatchScope;
 pub use watch::{run as node_watch, NodeWatchConfig};
 
 /// What went wrong, and what to check.

@@ -1,5 +1,6 @@
 //! `--metrics-listen` (SPEC section 8): `rootrank node-watch` and `rootrank run` serve
-//! `GET /metrics` with the one family they own, `rootrank_unverified_pids_total`.
+//! `GET /metrics` with the family they own, `rootrank_unverified_pids_total` (and node-watch
+//! `rootrank_node_watch_events_total`).
 //!
 //! The server is a task of its own, bounded (a few connections at once, a deadline for each
 //! request head), so a slow or hostile scraper can neither hold up node-watch's watch loop
@@ -55,6 +56,18 @@ impl NodeMetrics {
             registry,
             unverified_pids,
         })
+    }
+
+    /// node-watch's own family, `rootrank_node_watch_events_total`: etcd keys its snapshots
+    /// and watch delivered (with `--watch-scope host`, its host's ranks only, whatever the
+    /// fleet's size).
+    pub(crate) fn watch_events(&self) -> Result<IntCounter, NodeError> {
+        let c = IntCounter::new(
+            "rootrank_node_watch_events_total",
+            "etcd keys node-watch's snapshots and watch delivered (with --watch-scope host, its own host's ranks only).",
+        )?;
+        self.registry.register(Box::new(c.clone()))?;
+        Ok(c)
     }
 
     /// The text exposition.

@@ -8,7 +8,7 @@
 
 use std::collections::HashSet;
 
-use rootrank_core::{Event, GroupId, Incarnation, KeyKind, Keys, Rank, RankLive, RankStall};
+use rootrank_core::{Event, GroupId, HostCopyOf, Incarnation, KeyKind, Keys, Rank, RankLive, RankStall};
 use rootrank_store::{Mirror, SnapshotStats};
 use tokio::sync::mpsc;
 use tracing::{debug, info, warn};
@@ -38,13 +38,60 @@ pub(crate) struct StallKv {
     pub create_revision: i64,
 }
 
-fn stall_kv(keys: &Keys, key: &[u8], value: &[u8], lease: i64, create_revision: i64) -> Option<StallKv> {
-    let KeyKind::Stall { group, rank } = keys.parse(key)? else {
-        return None;
-    };
+/// What node-watch watches (`rootrank node-watch --watch-scope`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum WatchScope {
+    /// Only the copies of this host's ranks' records under `{p}/groups/_hosts/{host}/`: the
+    /// watch carries this host's ranks, whatever the fleet's size (the default). Agents
+    /// before this version write no copies: their ranks are not seen.
+    #[default]
+    Host,
+    /// All of `{p}/groups/` (every event of the fleet), for ranks whose agents write no host
+    /// copies (an older version, or a host name that cannot be a key).
+    Fleet,
+}
+
+/// What a key is to node-watch in its scope: a rank's live or stall record (the record
+/// itself in the fleet scope, its host copy in the host scope), or a certificate.
+enum Watched {
+    Live(GroupId, Rank),
+    Stall(GroupId, Rank),
+    Down(IncarnationId),
+}
+
+fn watched(keys: &Keys, scope: WatchScope, key: &[u8]) -> Option<Watched> {
+    match (scope, keys.parse(key)?) {
+        (WatchScope::Fleet, KeyKind::Live { group, rank }) => Some(Watched::Live(group, rank)),
+        (WatchScope::Fleet, KeyKind::Stall { group, rank }) => Some(Watched::Stall(group, rank)),
+        (
+            WatchScope::Fleet,
+            KeyKind::Down {
+                group,
+                rank,
+                incarnation,
+            },
+        ) => Some(Watched::Down((group, rank, incarnation))),
+        (WatchScope::Host, KeyKind::HostCopy { group, rank, of, .. }) => Some(match of {
+            HostCopyOf::Live => Watched::Live(group, rank),
+            HostCopyOf::Stall => Watched::Stall(group, rank),
+        }),
+        _ => None,
+    }
+}
+
+/// `create_revision` is the watched key's: a host copy is created with its record, so both
+/// have the same, which the stack write compares against the record's.
+fn stall_kv(
+    keys: &Keys,
+    group: GroupId,
+    rank: Rank,
+    value: &[u8],
+    lease: i64,
+    create_revision: i64,
+) -> Option<StallKv> {
     match RankStall::parse(value) {
         Ok(record) if record.rank == rank && record.group == group && record.stack.is_none() => Some(StallKv {
-            key: key.to_vec(),
+            key: keys.stall(&group, rank).into_bytes(),
             record,
             lease,
             create_revision,
@@ -77,10 +124,7 @@ pub(crate) enum SyncMsg {
     CertificateGone(IncarnationId),
 }
 
-fn live_kv(keys: &Keys, key: &[u8], value: &[u8], lease: i64, mod_revision: i64) -> Option<LiveKv> {
-    let KeyKind::Live { group, rank } = keys.parse(key)? else {
-        return None;
-    };
+fn live_kv(key: &[u8], group: GroupId, rank: Rank, value: &[u8], lease: i64, mod_revision: i64) -> Option<LiveKv> {
     match RankLive::parse(value) {
         Ok(record) if record.rank == rank && record.group == group => Some(LiveKv {
             group,
@@ -100,35 +144,69 @@ fn live_kv(keys: &Keys, key: &[u8], value: &[u8], lease: i64, mod_revision: i64)
     }
 }
 
-fn down_id(keys: &Keys, key: &[u8]) -> Option<IncarnationId> {
-    match keys.parse(key)? {
-        KeyKind::Down {
-            group,
-            rank,
-            incarnation,
-        } => Some((group, rank, incarnation)),
-        _ => None,
-    }
+/// A put as what node-watch keeps, if it keeps it.
+fn on_put(
+    keys: &Keys,
+    scope: WatchScope,
+    key: &[u8],
+    value: &[u8],
+    lease: i64,
+    revision: i64,
+    create_revision: i64,
+) -> Option<SyncMsg> {
+    Some(match watched(keys, scope, key)? {
+        Watched::Live(group, rank) => SyncMsg::Live(Box::new(live_kv(key, group, rank, value, lease, revision)?)),
+        Watched::Stall(group, rank) => {
+            SyncMsg::Stall(Box::new(stall_kv(keys, group, rank, value, lease, create_revision)?))
+        }
+        Watched::Down(id) => SyncMsg::Certified(id),
+    })
 }
 
-/// Runs until the receiver is dropped.
-pub(crate) async fn run(etcd: rootrank_store::EtcdAccess, prefix: String, tx: mpsc::UnboundedSender<SyncMsg>) {
+/// Runs until the receiver is dropped. `host` is this host's name: in the host scope, what
+/// is watched is its ranks' copies (the fleet's whole `groups/` when it cannot be a key).
+pub(crate) async fn run(
+    etcd: rootrank_store::EtcdAccess,
+    prefix: String,
+    host: String,
+    scope: WatchScope,
+    events: prometheus::IntCounter,
+    tx: mpsc::UnboundedSender<SyncMsg>,
+) {
     let keys = Keys::new(&prefix);
-    let watched = format!("{}/groups/", keys.prefix());
+    let scope = if scope == WatchScope::Host && !rootrank_core::is_key_host(&host) {
+        warn!(
+            host,
+            "this host's name cannot name a key: watching the whole fleet (--watch-scope fleet)"
+        );
+        WatchScope::Fleet
+    } else {
+        scope
+    };
+    let range = match scope {
+        WatchScope::Host => keys.host_copies(&host),
+        WatchScope::Fleet => format!("{}/groups/", keys.prefix()),
+    };
+    info!(prefix = %range, ?scope, "node watchdog watches this prefix");
     let mut mirror = RankMirror {
         keys,
+        scope,
         tx,
         loading: None,
         live_gone_total: 0,
+        events,
     };
     // One snapshot reader: a watchdog runs on every host, so its memory (pages in flight)
     // matters more than the second or so parallel readers would save.
-    rootrank_store::follow(&etcd, &watched, 1, &mut mirror).await
+    rootrank_store::follow(&etcd, &range, 1, &mut mirror).await
 }
 
 /// node-watch's copy of etcd: only what the watchdog needs, sent on as [`SyncMsg`]s.
 struct RankMirror {
     keys: Keys,
+    scope: WatchScope,
+    /// `rootrank_node_watch_events_total`: every key the snapshots and the watch delivered.
+    events: prometheus::IntCounter,
     tx: mpsc::UnboundedSender<SyncMsg>,
     /// A snapshot being read: live keys, certificate ids, stall records without a stack.
     loading: Option<(Vec<LiveKv>, HashSet<IncarnationId>, Vec<StallKv>)>,
@@ -149,6 +227,7 @@ impl Mirror for RankMirror {
         let Some((lives, certified, stalls)) = &mut self.loading else {
             return;
         };
+        self.events.inc_by(page.len() as u64);
         for ev in page {
             let Event::Put {
                 key,
@@ -161,12 +240,13 @@ impl Mirror for RankMirror {
             else {
                 continue;
             };
-            if let Some(l) = live_kv(&self.keys, &key, &value, lease, revision) {
-                lives.push(l);
-            } else if let Some(s) = stall_kv(&self.keys, &key, &value, lease, create_revision) {
-                stalls.push(s);
-            } else if let Some(id) = down_id(&self.keys, &key) {
-                certified.insert(id);
+            match on_put(&self.keys, self.scope, &key, &value, lease, revision, create_revision) {
+                Some(SyncMsg::Live(l)) => lives.push(*l),
+                Some(SyncMsg::Stall(s)) => stalls.push(*s),
+                Some(SyncMsg::Certified(id)) => {
+                    certified.insert(id);
+                }
+                _ => {}
             }
         }
     }
@@ -193,6 +273,7 @@ impl Mirror for RankMirror {
     fn apply(&mut self, events: Vec<Event>) {
         let (n, gone_before) = (events.len(), self.live_gone_total);
         let revision = events.last().map_or(0, Event::revision);
+        self.events.inc_by(n as u64);
         for event in events {
             let msg = match event {
                 Event::Put {
@@ -202,18 +283,14 @@ impl Mirror for RankMirror {
                     revision,
                     create_revision,
                     ..
-                } => live_kv(&self.keys, &key, &value, lease, revision)
-                    .map(|l| SyncMsg::Live(Box::new(l)))
-                    .or_else(|| {
-                        stall_kv(&self.keys, &key, &value, lease, create_revision).map(|s| SyncMsg::Stall(Box::new(s)))
-                    })
-                    .or_else(|| down_id(&self.keys, &key).map(SyncMsg::Certified)),
-                Event::Delete { key, .. } => match self.keys.parse(&key) {
-                    Some(KeyKind::Live { group, rank }) => {
+                } => on_put(&self.keys, self.scope, &key, &value, lease, revision, create_revision),
+                Event::Delete { key, .. } => match watched(&self.keys, self.scope, &key) {
+                    Some(Watched::Live(group, rank)) => {
                         self.live_gone_total += 1;
                         Some(SyncMsg::LiveGone { group, rank })
                     }
-                    _ => down_id(&self.keys, &key).map(SyncMsg::CertificateGone),
+                    Some(Watched::Down(id)) => Some(SyncMsg::CertificateGone(id)),
+                    _ => None,
                 },
             };
             if let Some(m) = msg {

@@ -22,7 +22,7 @@ use crate::certs::{CertWriter, Written};
 use crate::host::{self, HostIdentity};
 use crate::metrics::{self, NodeMetrics};
 use crate::pidns::{self, Located};
-use crate::sync::{self, IncarnationId, LiveKv, SyncMsg};
+use crate::sync::{self, IncarnationId, LiveKv, SyncMsg, WatchScope};
 use crate::NodeError;
 use rootrank_store::EtcdAccess;
 
@@ -46,6 +46,8 @@ pub struct NodeWatchConfig {
     /// v3: the `py-spy` executable that reads a stalled rank's Python stack into its stall
     /// record (`None`: stacks are not captured).
     pub py_spy: Option<std::path::PathBuf>,
+    /// What it watches: its host's ranks (default) or the whole fleet's `groups/`.
+    pub watch_scope: WatchScope,
 }
 
 impl NodeWatchConfig {
@@ -59,6 +61,7 @@ impl NodeWatchConfig {
             kernel_log: None,
             metrics_listen: None,
             py_spy: None,
+            watch_scope: WatchScope::Host,
         }
     }
 }
@@ -114,6 +117,7 @@ pub async fn run(config: NodeWatchConfig, shutdown: impl Future<Output = ()>) ->
     // Bound before anything else starts: a taken address is a start-up error. The server is
     // a task of its own; the loop below never waits for it.
     let metrics = NodeMetrics::new()?;
+    let watch_events = metrics.watch_events()?;
     let _metrics_server = metrics::serve_if(config.metrics_listen, &metrics).await?;
     info!(host = %me.hostname, boot_id = me.boot_id.as_deref().unwrap_or("-"), "node watchdog starting");
     // Said once, here, when the kernel log cannot be read; deaths are still reported, from
@@ -127,7 +131,14 @@ pub async fn run(config: NodeWatchConfig, shutdown: impl Future<Output = ()>) ->
     });
 
     let (sync_tx, mut sync_rx) = mpsc::unbounded_channel();
-    let sync_task = tokio::spawn(sync::run(config.etcd.clone(), config.prefix.clone(), sync_tx));
+    let sync_task = tokio::spawn(sync::run(
+        config.etcd.clone(),
+        config.prefix.clone(),
+        me.hostname.clone(),
+        config.watch_scope,
+        watch_events,
+        sync_tx,
+    ));
 
     let (report_tx, report_rx) = mpsc::unbounded_channel::<Report>();
     let (written_tx, mut written_rx) = mpsc::unbounded_channel::<IncarnationId>();

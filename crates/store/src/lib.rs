@@ -245,16 +245,20 @@ pub enum Created {
 
 /// [`create_if_absent`] that, when the key exists, reads who holds it in the same
 /// transaction (a refused live key names its holder in one round trip).
+///
+/// `also` are written with it, in the same transaction and on the same lease (a rank's host
+/// copy of its live record): they have its revision and go with it.
 pub async fn create_or_read(
     client: &mut Client,
     key: &str,
     value: Vec<u8>,
     lease: Option<i64>,
+    also: &[(String, Vec<u8>)],
 ) -> Result<Created, etcd_client::Error> {
     let opts = lease.map(|l| PutOptions::new().with_lease(l));
     let txn = Txn::new()
         .when([Compare::create_revision(key, CompareOp::Equal, 0)])
-        .and_then([TxnOp::put(key, value, opts)])
+        .and_then(puts(key, value, also, opts))
         .or_else([TxnOp::get(key, None)]);
     let resp = client.txn(txn).await?;
     if resp.succeeded() {
@@ -270,20 +274,32 @@ pub async fn create_or_read(
 }
 
 /// Writes `value` at `key` if it is still at `mod_revision` (nobody wrote it since it was
-/// read). Returns the revision written at, or `None` when the key changed.
+/// read), and `also` with it as [`create_or_read`] does. Returns the revision written at, or
+/// `None` when the key changed.
 pub async fn put_if_unchanged(
     client: &mut Client,
     key: &str,
     mod_revision: i64,
     value: Vec<u8>,
     lease: Option<i64>,
+    also: &[(String, Vec<u8>)],
 ) -> Result<Option<i64>, etcd_client::Error> {
     let opts = lease.map(|l| PutOptions::new().with_lease(l));
     let txn = Txn::new()
         .when([Compare::mod_revision(key, CompareOp::Equal, mod_revision)])
-        .and_then([TxnOp::put(key, value, opts)]);
+        .and_then(puts(key, value, also, opts));
     let resp = client.txn(txn).await?;
     Ok(resp.succeeded().then(|| resp.header().map_or(0, |h| h.revision())))
+}
+
+/// `key`'s put and those of `also`, all with `opts`.
+fn puts(key: &str, value: Vec<u8>, also: &[(String, Vec<u8>)], opts: Option<PutOptions>) -> Vec<TxnOp> {
+    let mut ops = vec![TxnOp::put(key, value, opts.clone())];
+    ops.extend(
+        also.iter()
+            .map(|(k, v)| TxnOp::put(k.as_str(), v.clone(), opts.clone())),
+    );
+    ops
 }
 
 /// The most records one batch transaction carries: etcd's default `--max-txn-ops` (128), the

@@ -129,6 +129,31 @@ pub fn live_key(group: &str, rank: u32) -> String {
     format!("/rootrank/v1/groups/{group}/ranks/{rank}/live")
 }
 
+/// Registers a rank by hand the way its agent does: `record` (a `RankLive`) at its live key
+/// and at its host's copy (`rootrank_core::Keys::host_copy`, what a node-watch watches), in
+/// one transaction on `lease`.
+pub async fn register_by_hand(
+    c: &mut rootrank_store::etcd_client::Client,
+    group: &str,
+    rank: u32,
+    record: &serde_json::Value,
+    lease: i64,
+) -> anyhow::Result<()> {
+    use rootrank_store::etcd_client::{PutOptions, Txn, TxnOp};
+    let host = record["host"]
+        .as_str()
+        .ok_or_else(|| anyhow::anyhow!("the record names no host: {record}"))?;
+    let value = record.to_string();
+    let opts = Some(PutOptions::new().with_lease(lease));
+    let copy = format!("/rootrank/v1/groups/_hosts/{host}/{group}/{rank}/live");
+    c.txn(Txn::new().and_then([
+        TxnOp::put(live_key(group, rank), value.clone(), opts.clone()),
+        TxnOp::put(copy, value, opts),
+    ]))
+    .await?;
+    Ok(())
+}
+
 /// Waits for the certificate of one incarnation.
 pub async fn wait_certificate(endpoint: &str, group: &str, rank: u32, incarnation: &str) -> anyhow::Result<Stored> {
     let key = format!("{}{incarnation}", down_prefix(group, rank));
