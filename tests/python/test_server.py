@@ -95,7 +95,7 @@ def greedy_outputs(stack: Stack) -> tuple[list, list]:
 
 def live_ranks(etcd) -> dict:
     """(group, rank) -> RankLive, from etcd."""
-    return {(v["group"], v["rank"]): v for k, v in etcd.get_prefix(PREFIX) if k.endswith("/live")}
+    return {(v["group"], v["rank"]): v for k, v in etcd.get_prefix(PREFIX) if k.endswith("/live") and "/ranks/" in k}
 
 
 def room_records(etcd) -> dict:

@@ -751,7 +751,8 @@ def test_12_two_machines_with_the_same_flags_are_two_groups(tmp):
         assert multi == {"multi-machine-a": (f"prefill-{dist_init}-dp0", 0, 2),
                          "multi-machine-b": (f"prefill-{dist_init}-dp0", 1, 2)}, multi
         assert all(g["incarnation"] and g["registration_error"] is None for g in got.values()), got
-        lives = [k for k, _ in etcd.get_prefix("/rootrank/v1/groups/") if k.endswith("/live")]
+        # The live keys themselves, not their host copies (groups/_hosts/HOST/...).
+        lives = [k for k, _ in etcd.get_prefix("/rootrank/v1/groups/") if k.endswith("/live") and "/ranks/" in k]
         assert len(lives) == 4, lives
         print("groups:", sorted({g["group"] for g in got.values()}))
     finally:

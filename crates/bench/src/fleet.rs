@@ -153,6 +153,34 @@ fn start_cluster(dir: &std::path::Path) -> anyhow::Result<Vec<EmbeddedEtcd>> {
         .map_err(|e| anyhow::anyhow!("a 3-member etcd cluster would not start: {e}"))
 }
 
+/// The host of rank `r` of group `g`: each group spans two hosts of 8.
+fn host_of(g: usize, r: u32) -> String {
+    format!("host-{}", g * 2 + r as usize / HOST_RANKS)
+}
+
+/// Counts the events of a watch on `prefix` until the task is aborted: what a node-watch
+/// watching it would receive.
+fn count_watch(
+    client: &Client,
+    prefix: String,
+) -> (
+    tokio::task::JoinHandle<()>,
+    std::sync::Arc<std::sync::atomic::AtomicU64>,
+) {
+    let seen = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let (mut client, counter) = (client.clone(), seen.clone());
+    let task = tokio::spawn(async move {
+        let opts = rootrank_store::etcd_client::WatchOptions::new().with_prefix();
+        let Ok(mut stream) = client.watch(prefix, Some(opts)).await else {
+            return;
+        };
+        while let Ok(Some(resp)) = stream.message().await {
+            counter.fetch_add(resp.events().len() as u64, std::sync::atomic::Ordering::Relaxed);
+        }
+    });
+    (task, seen)
+}
+
 /// Ranks `0..8` of the groups `groups` (the first host of each).
 fn first_hosts(groups: std::ops::Range<usize>) -> Vec<(usize, u32)> {
     groups
@@ -200,6 +228,14 @@ async fn one(env: &Env, cfg: &FleetCfg, n: usize) -> anyhow::Result<Value> {
         .filter(|x| !failing.contains(x))
         .collect();
 
+    // node-watch's watch traffic in each scope over the whole run, from registering through
+    // the failures: the copies of one host of the rack (8 ranks that register, then die),
+    // and the fleet's `groups/` (every event). Opened before anything is written.
+    let watched_host = host_of(1, 0);
+    let (host_watch, host_events) = count_watch(&clients[3], keys.host_copies(&watched_host));
+    let (fleet_watch, fleet_events) = count_watch(&clients[4], format!("{PREFIX}/groups/"));
+    tokio::time::sleep(Duration::from_millis(200)).await;
+
     let probe_http = http_client(Duration::from_secs(5))?;
     let leader_changes_idle = leader_changes(&probe_http, &endpoints).await;
     let t = Instant::now();
@@ -234,11 +270,21 @@ async fn one(env: &Env, cfg: &FleetCfg, n: usize) -> anyhow::Result<Value> {
                 interval,
                 Duration::from_secs(3600),
             ));
-            let mut puts = Vec::with_capacity(chunk.len());
+            // The live key and its host copy, as an agent writes them.
+            let mut puts = Vec::with_capacity(2 * chunk.len());
             for (&(g, r), lease) in chunk.iter().zip(&leases) {
+                let host = host_of(g, r);
+                let value = state::live_value_on(&host, &gids[g], r, GROUP_SIZE as u32, ttl_ms)?;
+                if let Some(key) = keys.host_copy(&host, &gids[g], r, rootrank_core::HostCopyOf::Live) {
+                    puts.push(Put {
+                        key,
+                        value: value.clone(),
+                        lease: Some(*lease),
+                    });
+                }
                 puts.push(Put {
                     key: keys.live(&gids[g], r),
-                    value: state::live_value(&gids[g], r, GROUP_SIZE as u32, ttl_ms)?,
+                    value,
                     lease: Some(*lease),
                 });
             }
@@ -445,6 +491,13 @@ async fn one(env: &Env, cfg: &FleetCfg, n: usize) -> anyhow::Result<Value> {
     for k in steady_keepalives {
         k.stop();
     }
+    let watch_events = json!({
+        "host": watched_host,
+        "host_scope": host_events.load(std::sync::atomic::Ordering::Relaxed),
+        "fleet_scope": fleet_events.load(std::sync::atomic::Ordering::Relaxed),
+    });
+    host_watch.abort();
+    fleet_watch.abort();
     Ok(json!({
         "ranks": n,
         "groups": groups,
@@ -458,6 +511,7 @@ async fn one(env: &Env, cfg: &FleetCfg, n: usize) -> anyhow::Result<Value> {
         },
         "steady": steady,
         "failures": Value::Object(failures),
+        "node_watch_events": watch_events,
     }))
 }
 

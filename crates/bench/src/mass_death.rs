@@ -260,6 +260,10 @@ impl NodeWatch {
                 endpoint,
                 "--prefix",
                 PREFIX,
+                // The dead keys are other hosts': only the whole-fleet watch receives them
+                // (the host scope, the default, would receive none of them).
+                "--watch-scope",
+                "fleet",
             ])
             // Every applied batch, at debug (the large ones are at info anyway).
             .env("ROOTRANK_LOG", "info,rootrank_node::sync=debug")

@@ -44,7 +44,7 @@ pub async fn run(env: &Env, cfg: &NodeMemoryCfg) -> anyhow::Result<Value> {
     let endpoint = etcd.endpoint();
     let clients = state::clients(&endpoint, 8).await?;
 
-    let empty = measure(&bin, &dir, &endpoint, EMPTY_PREFIX).await?;
+    let empty = measure(&bin, &dir, &endpoint, EMPTY_PREFIX, "fleet").await?;
 
     let t = Instant::now();
     let keys = Keys::new(PREFIX);
@@ -54,25 +54,43 @@ pub async fn run(env: &Env, cfg: &NodeMemoryCfg) -> anyhow::Result<Value> {
     let rooms = cfg.records.div_ceil(RANKS as usize);
     let (_, written) = state::write_rooms(&clients, &keys, &gids, rooms, RANKS, 8).await?;
     let write_s = t.elapsed().as_secs_f64();
-    let populated = measure(&bin, &dir, &endpoint, PREFIX).await?;
+    // The whole-prefix watch reads every record (the worst case); the host scope, the
+    // default, reads its host's copies only.
+    let populated = measure(&bin, &dir, &endpoint, PREFIX, "fleet").await?;
+    let populated_host_scope = measure(&bin, &dir, &endpoint, PREFIX, "host").await?;
     let (e, p) = (empty["rss_bytes"].as_f64(), populated["rss_bytes"].as_f64());
     Ok(json!({
         "setup": {
             "records": written, "groups": cfg.groups, "write_s": write_s,
-            "how": "rootrank node-watch started on an empty prefix, then on one holding the records (room records only: a host's watchdog needs live keys and certificate ids); RSS and peak RSS (VmHWM) read once it logs that it loaded the ranks from etcd",
+            "how": "rootrank node-watch --watch-scope fleet started on an empty prefix, then on one holding the records (room records only: a host's watchdog needs live keys and certificate ids), then the default --watch-scope host on the same (it reads its host's copies only); RSS and peak RSS (VmHWM) read once it logs that it loaded the ranks from etcd",
         },
         "empty": empty,
         "populated": populated,
+        "populated_host_scope": populated_host_scope,
         "rss_ratio": match (e, p) { (Some(e), Some(p)) if e > 0.0 => p / e, _ => f64::NAN },
     }))
 }
 
-async fn measure(bin: &std::path::Path, dir: &std::path::Path, endpoint: &str, prefix: &str) -> anyhow::Result<Value> {
-    let log_path = dir.join(format!("node-watch{}.log", prefix.replace('/', "_")));
+async fn measure(
+    bin: &std::path::Path,
+    dir: &std::path::Path,
+    endpoint: &str,
+    prefix: &str,
+    scope: &str,
+) -> anyhow::Result<Value> {
+    let log_path = dir.join(format!("node-watch{}-{scope}.log", prefix.replace('/', "_")));
     let log = std::fs::File::create(&log_path)?;
     let started = Instant::now();
     let mut child = std::process::Command::new(bin)
-        .args(["node-watch", "--etcd-endpoints", endpoint, "--prefix", prefix])
+        .args([
+            "node-watch",
+            "--etcd-endpoints",
+            endpoint,
+            "--prefix",
+            prefix,
+            "--watch-scope",
+            scope,
+        ])
         .stdin(std::process::Stdio::null())
         .stdout(log.try_clone()?)
         .stderr(log)
@@ -97,5 +115,7 @@ async fn measure(bin: &std::path::Path, dir: &std::path::Path, endpoint: &str, p
     let (rss, hwm) = rss_bytes(pid)?;
     let _ = child.kill();
     let _ = child.wait();
-    Ok(json!({"prefix": prefix, "rss_bytes": rss, "hwm_bytes": hwm, "start_to_loaded_s": loaded.as_secs_f64()}))
+    Ok(
+        json!({"prefix": prefix, "watch_scope": scope, "rss_bytes": rss, "hwm_bytes": hwm, "start_to_loaded_s": loaded.as_secs_f64()}),
+    )
 }

@@ -627,10 +627,12 @@ fn node_memory_section(m: &mut String, n: &Value) {
     let mib = |v: &Value| num(&json!(f(v) / 1048576.0), 1);
     let _ = writeln!(
         m,
-        "\n## 8. node-watch memory\n\n| etcd holds | RSS MiB | peak RSS MiB | start to loaded s |\n|---|---|---|---|\n| nothing | {} | {} | {} |\n| {} room records | {} | {} | {} |\n\nRSS ratio: {}",
+        "\n## 8. node-watch memory\n\n| etcd holds | RSS MiB | peak RSS MiB | start to loaded s |\n|---|---|---|---|\n| nothing | {} | {} | {} |\n| {} room records, `--watch-scope fleet` | {} | {} | {} |\n| the same, `--watch-scope host` (default) | {} | {} | {} |\n\nRSS ratio (fleet scope): {}",
         mib(&n["empty"]["rss_bytes"]), mib(&n["empty"]["hwm_bytes"]), num(&n["empty"]["start_to_loaded_s"], 2),
         n["setup"]["records"], mib(&n["populated"]["rss_bytes"]), mib(&n["populated"]["hwm_bytes"]),
-        num(&n["populated"]["start_to_loaded_s"], 2), num(&n["rss_ratio"], 2)
+        num(&n["populated"]["start_to_loaded_s"], 2),
+        mib(&n["populated_host_scope"]["rss_bytes"]), mib(&n["populated_host_scope"]["hwm_bytes"]),
+        num(&n["populated_host_scope"]["start_to_loaded_s"], 2), num(&n["rss_ratio"], 2)
     );
 }
 
@@ -968,12 +970,12 @@ fn fleet_section(m: &mut String, x: &Value) {
     let ms = |v: &Value| num(&json!(f(v) / 1e3), 2);
     let _ = writeln!(
         m,
-        "\n## 14. Fleet (3-member etcd cluster, lease TTL {} s or what keeps keepalives within {}/s, groups of 16 on two hosts of 8)\n\n| ranks | etcd CPU ms/s: idle / steady (per 1,000 ranks, above idle) | keepalives/s | etcd µs per keepalive | coordinator start to `/readyz` s | coordinator RSS MiB steady / peak | verdict p50 / p99 ms | long-poll wake p50 / p99 ms | host: down / certified / rooms resolved s | rack of {}: down / certified / resolved s | 10 %: down / certified / resolved s |\n|---|---|---|---|---|---|---|---|---|---|---|",
+        "\n## 14. Fleet (3-member etcd cluster, lease TTL {} s or what keeps keepalives within {}/s, groups of 16 on two hosts of 8)\n\n| ranks | etcd CPU ms/s: idle / steady (per 1,000 ranks, above idle) | keepalives/s | etcd µs per keepalive | coordinator start to `/readyz` s | coordinator RSS MiB steady / peak | verdict p50 / p99 ms | long-poll wake p50 / p99 ms | host: down / certified / rooms resolved s | rack of {}: down / certified / resolved s | 10 %: down / certified / resolved s | etcd keys a node-watch received over the run: host scope / fleet scope |\n|---|---|---|---|---|---|---|---|---|---|---|---|",
         x["setup"]["ttl_s"], x["setup"]["keepalive_budget_per_s"], x["setup"]["rack_ranks"]
     );
     for r in sizes {
         if let Some(e) = r["error"].as_str() {
-            let _ = writeln!(m, "| {} | failed: {e} | | | | | | | | | |", r["ranks"]);
+            let _ = writeln!(m, "| {} | failed: {e} | | | | | | | | | | |", r["ranks"]);
             continue;
         }
         let st = &r["steady"];
@@ -988,7 +990,7 @@ fn fleet_section(m: &mut String, x: &Value) {
         };
         let _ = writeln!(
             m,
-            "| {} ({}) | {} / {} ({}) | {} | {} | {} | {} / {} | {} / {} | {} / {} | {} | {} | {} |",
+            "| {} ({}) | {} / {} ({}) | {} | {} | {} | {} / {} | {} / {} | {} / {} | {} | {} | {} | {} / {} |",
             r["ranks"],
             r["ttl_s"],
             num(&st["etcd_idle_ms_per_s"], 0),
@@ -1006,6 +1008,8 @@ fn fleet_section(m: &mut String, x: &Value) {
             fail("host"),
             fail("rack"),
             fail("tenth"),
+            r["node_watch_events"]["host_scope"],
+            r["node_watch_events"]["fleet_scope"],
         );
     }
     if let Some(s) = x["summary"].as_str() {

@@ -58,13 +58,18 @@ pub fn record_value(group: &GroupId, rank: u32, room: u64, local: bool, at_ms: i
 }
 
 pub fn live_value(group: &GroupId, rank: u32, size: u32, ttl_ms: u64) -> anyhow::Result<Vec<u8>> {
+    live_value_on("bench-host", group, rank, size, ttl_ms)
+}
+
+/// [`live_value`] of a rank on `host`.
+pub fn live_value_on(host: &str, group: &GroupId, rank: u32, size: u32, ttl_ms: u64) -> anyhow::Result<Vec<u8>> {
     let rec = RankLive {
         v: SCHEMA_VERSION,
         group: group.clone(),
         rank,
         group_size: size,
         role: Some("prefill".into()),
-        host: Some("bench-host".into()),
+        host: Some(host.into()),
         pid: Some(100_000 + rank),
         boot_id: None,
         started_at: Some(rootrank_core::time::format_ms(rootrank_store::unix_ms())),

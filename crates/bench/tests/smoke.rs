@@ -109,6 +109,13 @@ fn smoke_suite_produces_well_formed_results() {
         positive(fl, &format!("failures.{failure}.all_certified_s"));
         positive(fl, &format!("failures.{failure}.rooms_resolved_s"));
     }
+    // One host of the rack: its 8 copies written, then deleted with their leases; the
+    // fleet's `groups/` carries every rank's keys.
+    assert_eq!(fl["node_watch_events"]["host_scope"], 16, "{fl}");
+    assert!(
+        fl["node_watch_events"]["fleet_scope"].as_u64().unwrap_or(0) > 2 * 320,
+        "{fl}"
+    );
     let stdout = String::from_utf8_lossy(&output.stdout);
     let last = stdout.lines().last().unwrap_or_default();
     assert!(

@@ -91,7 +91,11 @@ pub async fn live_pids(etcd: &str, group: &str) -> anyhow::Result<Vec<u32>> {
     Ok(resp
         .kvs()
         .iter()
-        .filter(|kv| kv.key_str().is_ok_and(|k| k.ends_with("/live")))
+        // Live keys, not their host copies (`groups/_hosts/HOST/GROUP/RANK/live`).
+        .filter(|kv| {
+            kv.key_str()
+                .is_ok_and(|k| k.ends_with("/live") && k.contains("/ranks/"))
+        })
         .filter_map(|kv| serde_json::from_slice::<Value>(kv.value()).ok())
         .filter_map(|v| v["pid"].as_u64().and_then(|p| u32::try_from(p).ok()))
         .collect())
