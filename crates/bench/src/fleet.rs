@@ -38,6 +38,9 @@ pub struct FleetCfg {
     pub rack_hosts: usize,
     /// Steady-state window over which etcd's CPU is measured.
     pub window: Duration,
+    /// `GET /v1/events` readers connected through the failures (schedulers and dashboards
+    /// following the fleet): each must receive every certified death.
+    pub subscribers: usize,
 }
 
 impl FleetCfg {
@@ -53,6 +56,7 @@ impl FleetCfg {
             keepalive_budget: Some(2_000.0),
             rack_hosts: 40,
             window: Duration::from_secs(15),
+            subscribers: 1_000,
         }
     }
     pub fn smoke() -> Self {
@@ -62,6 +66,7 @@ impl FleetCfg {
             keepalive_budget: None,
             rack_hosts: 4,
             window: Duration::from_secs(2),
+            subscribers: 20,
         }
     }
 }
@@ -179,6 +184,44 @@ fn count_watch(
         }
     });
     (task, seen)
+}
+
+/// One `GET /v1/events` reader (HTTP/1.0, so the body is the stream itself): counts the
+/// certified `down` rank events it receives, until the task is aborted.
+async fn subscribe(addr: std::net::SocketAddr, downs: std::sync::Arc<std::sync::atomic::AtomicU64>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Ok(mut s) = tokio::net::TcpStream::connect(addr).await else {
+        return;
+    };
+    if s.write_all(b"GET /v1/events HTTP/1.0\r\nAccept: text/event-stream\r\n\r\n")
+        .await
+        .is_err()
+    {
+        return;
+    }
+    let (mut buf, mut carry) = (vec![0u8; 64 * 1024], Vec::new());
+    loop {
+        let n = match s.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => n,
+        };
+        carry.extend_from_slice(&buf[..n]);
+        let Some(last_nl) = carry.iter().rposition(|b| *b == b'\n') else {
+            continue;
+        };
+        let certified_downs = carry[..last_nl]
+            .split(|b| *b == b'\n')
+            .filter(|l| {
+                l.starts_with(b"data:") && contains(l, b"\"state\":\"down\"") && contains(l, b"\"certified\":true")
+            })
+            .count();
+        downs.fetch_add(certified_downs as u64, std::sync::atomic::Ordering::Relaxed);
+        carry.drain(..=last_nl);
+    }
+}
+
+fn contains(hay: &[u8], needle: &[u8]) -> bool {
+    hay.windows(needle.len()).any(|w| w == needle)
 }
 
 /// Ranks `0..8` of the groups `groups` (the first host of each).
@@ -392,6 +435,27 @@ async fn one(env: &Env, cfg: &FleetCfg, n: usize) -> anyhow::Result<Value> {
         "long_poll_wake": Dist::from_durations(&poll_samples),
     });
 
+    // Event readers through the failures, connected before the first.
+    let events_addr: std::net::SocketAddr = coordinator
+        .url
+        .trim_start_matches("http://")
+        .parse()
+        .context("the coordinator's address")?;
+    let subscribers: Vec<_> = (0..cfg.subscribers)
+        .map(|_| {
+            let downs = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+            (tokio::spawn(subscribe(events_addr, downs.clone())), downs)
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let fewest_downs = || {
+        subscribers
+            .iter()
+            .map(|(_, d)| d.load(std::sync::atomic::Ordering::Relaxed))
+            .min()
+            .unwrap_or(u64::MAX)
+    };
+
     // The failures, one after the other; `down` and certificates count up across them.
     let mut failures = serde_json::Map::new();
     // Ranks failed so far: each must end down on the coordinator and certified in etcd.
@@ -422,13 +486,17 @@ async fn one(env: &Env, cfg: &FleetCfg, n: usize) -> anyhow::Result<Value> {
             rooms.push((gids[g].as_str().to_string(), room));
         }
         state::write_all(&clients, puts, 4).await?;
-        let (mut down_s, mut certified_s, mut resolved_s) = (None, None, None);
+        let (mut down_s, mut certified_s, mut resolved_s, mut events_s) = (None, None, None, None);
         let mut unresolved = rooms.clone();
         let mut culprit_in_dead_host = 0usize;
         let deadline = stopped + STEP;
-        while down_s.is_none() || certified_s.is_none() || resolved_s.is_none() {
+        while down_s.is_none() || certified_s.is_none() || resolved_s.is_none() || events_s.is_none() {
             if Instant::now() > deadline {
-                bail!("{name}: not all seen in {STEP:?} (down {down_s:?}, certified {certified_s:?}, resolved {resolved_s:?}); logs in {}", dir.display());
+                bail!("{name}: not all seen in {STEP:?} (down {down_s:?}, certified {certified_s:?}, resolved {resolved_s:?}, every subscriber's events {events_s:?}); logs in {}", dir.display());
+            }
+            // Every reader has every certified death so far (a death is sent once certified).
+            if events_s.is_none() && fewest_downs() >= dead as u64 {
+                events_s = Some(stopped.elapsed().as_secs_f64());
             }
             if down_s.is_none()
                 && totals(&http, &coordinator.url)
@@ -483,6 +551,7 @@ async fn one(env: &Env, cfg: &FleetCfg, n: usize) -> anyhow::Result<Value> {
                 "all_down_s": down_s,
                 "all_certified_s": certified_s,
                 "rooms_resolved_s": resolved_s,
+                "all_subscribers_have_every_death_s": events_s,
                 "bound_leases_only_s": ttl_s as f64 + 2.0,
             }),
         );
@@ -498,6 +567,15 @@ async fn one(env: &Env, cfg: &FleetCfg, n: usize) -> anyhow::Result<Value> {
     });
     host_watch.abort();
     fleet_watch.abort();
+    let most_downs = subscribers
+        .iter()
+        .map(|(_, d)| d.load(std::sync::atomic::Ordering::Relaxed))
+        .max()
+        .unwrap_or(0);
+    let (fewest, subscribed) = (fewest_downs(), subscribers.len());
+    for (task, _) in subscribers {
+        task.abort();
+    }
     Ok(json!({
         "ranks": n,
         "groups": groups,
@@ -512,6 +590,11 @@ async fn one(env: &Env, cfg: &FleetCfg, n: usize) -> anyhow::Result<Value> {
         "steady": steady,
         "failures": Value::Object(failures),
         "node_watch_events": watch_events,
+        "events": {
+            "subscribers": subscribed,
+            "certified_downs_per_subscriber": {"min": fewest, "max": most_downs},
+            "deaths": dead,
+        },
     }))
 }
 

@@ -146,6 +146,9 @@ enum Cmd {
         rack_hosts: usize,
         #[arg(long, default_value = "15s")]
         window: String,
+        /// `GET /v1/events` readers connected through the failures.
+        #[arg(long, default_value_t = 1000)]
+        subscribers: usize,
         #[command(flatten)]
         out: Out,
     },
@@ -504,6 +507,7 @@ fn suite_of(cmd: Cmd) -> anyhow::Result<(Suite, &'static str, PathBuf)> {
             keepalive_budget,
             rack_hosts,
             window,
+            subscribers,
             out,
         } => (
             Suite {
@@ -513,6 +517,7 @@ fn suite_of(cmd: Cmd) -> anyhow::Result<(Suite, &'static str, PathBuf)> {
                     keepalive_budget: (keepalive_budget > 0.0).then_some(keepalive_budget),
                     rack_hosts,
                     window: parse_duration(&window)?,
+                    subscribers,
                 }),
                 ..Suite::default()
             },

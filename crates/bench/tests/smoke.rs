@@ -104,7 +104,14 @@ fn smoke_suite_produces_well_formed_results() {
     positive(fl, "steady.keepalives_per_s");
     positive(fl, "steady.verdict.p50_us");
     positive(fl, "coordinator.rss_steady_bytes");
+    // Every event subscriber received every certified death.
+    assert_eq!(fl["events"]["subscribers"], 20, "{fl}");
+    assert_eq!(
+        fl["events"]["certified_downs_per_subscriber"]["min"], fl["events"]["deaths"],
+        "{fl}"
+    );
     for failure in ["host", "rack", "tenth"] {
+        positive(fl, &format!("failures.{failure}.all_subscribers_have_every_death_s"));
         positive(fl, &format!("failures.{failure}.all_down_s"));
         positive(fl, &format!("failures.{failure}.all_certified_s"));
         positive(fl, &format!("failures.{failure}.rooms_resolved_s"));
