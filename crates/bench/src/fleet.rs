@@ -414,6 +414,20 @@ async fn one(env: &Env, cfg: &FleetCfg, n: usize) -> anyhow::Result<Value> {
         .await
         .saturating_sub(leaders_before);
     let live_at_end = totals(&http, &coordinator.url).await.map_or(0, |t| t.0);
+    // One Prometheus scrape at this size (after the window, so it is not in its figures):
+    // `rootrank_rank_up` has a series per rank.
+    let scrape_started = Instant::now();
+    let metrics_text = http
+        .get(format!("{}/metrics", coordinator.url))
+        .send()
+        .await?
+        .text()
+        .await?;
+    let scrape = json!({
+        "bytes": metrics_text.len(),
+        "seconds": scrape_started.elapsed().as_secs_f64(),
+        "rank_up_series": metrics_text.lines().filter(|l| l.starts_with("rootrank_rank_up{")).count(),
+    });
     let (rss_steady, _) = rss_bytes(coordinator.pid)?;
     let etcd_cpu_ms_per_s = etcd_cpu_s * 1e3 / window_s;
     let steady = json!({
@@ -433,6 +447,7 @@ async fn one(env: &Env, cfg: &FleetCfg, n: usize) -> anyhow::Result<Value> {
         "leader_changes_while_registering": leaders_before.saturating_sub(leader_changes_idle),
         "verdict": Dist::from_durations(&verdict_samples),
         "long_poll_wake": Dist::from_durations(&poll_samples),
+        "metrics_scrape": scrape,
     });
 
     // Event readers through the failures, connected before the first.

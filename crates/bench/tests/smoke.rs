@@ -104,6 +104,7 @@ fn smoke_suite_produces_well_formed_results() {
     positive(fl, "steady.keepalives_per_s");
     positive(fl, "steady.verdict.p50_us");
     positive(fl, "coordinator.rss_steady_bytes");
+    assert_eq!(fl["steady"]["metrics_scrape"]["rank_up_series"], 320, "{fl}");
     // Every event subscriber received every certified death.
     assert_eq!(fl["events"]["subscribers"], 20, "{fl}");
     assert_eq!(

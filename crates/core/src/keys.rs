@@ -136,6 +136,10 @@ impl Keys {
     pub fn room(&self, group: &GroupId, room: RoomId, rank: Rank) -> String {
         format!("{}/groups/{group}/rooms/{room}/ranks/{rank}", self.prefix)
     }
+    /// Every host's copies (`HostCopy`): what the coordinator's snapshot skips.
+    pub fn all_host_copies(&self) -> String {
+        format!("{}/groups/_hosts/", self.prefix)
+    }
     /// What `node-watch` on `host` watches: the copies of its ranks' live and stall records.
     pub fn host_copies(&self, host: &str) -> String {
         format!("{}/groups/_hosts/{host}/", self.prefix)

@@ -37,6 +37,10 @@ pub trait Mirror {
     fn is_closed(&self) -> bool {
         false
     }
+    /// A part of the prefix the snapshot need not read (the watch still delivers it).
+    fn snapshot_skips(&self) -> Option<String> {
+        None
+    }
 }
 
 /// Keeps `mirror` equal to everything under `prefix` until the copy is closed (or for ever).
@@ -159,9 +163,15 @@ pub async fn follow(access: &EtcdAccess, prefix: &str, readers: usize, mirror: &
 async fn load(client: &Client, prefix: &str, readers: usize, mirror: &mut impl Mirror) -> Input {
     mirror.snapshot_started();
     let started = Instant::now();
-    match crate::snapshot_pages(client, prefix, crate::monotonic_ms(), readers, |page| {
-        mirror.snapshot_page(page)
-    })
+    let skip = mirror.snapshot_skips();
+    match crate::snapshot_pages_skipping(
+        client,
+        prefix,
+        skip.as_deref(),
+        crate::monotonic_ms(),
+        readers,
+        |page| mirror.snapshot_page(page),
+    )
     .await
     {
         Ok(stats) => {

@@ -31,7 +31,7 @@ pub use follower::Follower;
 pub use retained::{LazyClient, RefusalSink, Retained, RetainedWriter, WriteError, Written, NOSPACE};
 pub use silence::{Silence, SilenceAction, CATCH_UP_SILENT_LIMIT, PROGRESS_EVERY, SILENT_LIMIT};
 
-pub use snapshot::{put_event, snapshot_pages, Plan, SnapshotStats, DEFAULT_READERS, PAGE};
+pub use snapshot::{put_event, snapshot_pages, snapshot_pages_skipping, Plan, SnapshotStats, DEFAULT_READERS, PAGE};
 
 use std::time::{Duration, Instant};
 

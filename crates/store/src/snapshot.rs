@@ -63,11 +63,28 @@ pub async fn snapshot_pages(
     prefix: &str,
     observed_at_ms: i64,
     readers: usize,
+    page: impl FnMut(Vec<Event>),
+) -> Result<SnapshotStats, etcd_client::Error> {
+    snapshot_pages_skipping(client, prefix, None, observed_at_ms, readers, page).await
+}
+
+/// [`snapshot_pages`] without the keys under `skip` (a part of `prefix` the reader has no
+/// use for: the coordinator and rank hosts' copies of live records).
+pub async fn snapshot_pages_skipping(
+    client: &Client,
+    prefix: &str,
+    skip: Option<&str>,
+    observed_at_ms: i64,
+    readers: usize,
     mut page: impl FnMut(Vec<Event>),
 ) -> Result<SnapshotStats, etcd_client::Error> {
     let readers = readers.clamp(1, 64);
     let revision = current_revision(client, prefix).await?;
-    let plan = Arc::new(Mutex::new(Plan::new(prefix.as_bytes(), readers, PAGE)));
+    let mut plan = Plan::new(prefix.as_bytes(), readers, PAGE);
+    if let Some(skip) = skip {
+        plan = plan.skipping(skip.as_bytes());
+    }
+    let plan = Arc::new(Mutex::new(plan));
     let progress = Arc::new(Notify::new());
     let (tx, mut rx) = mpsc::channel(readers);
     let mut tasks = JoinSet::new();
@@ -242,6 +259,8 @@ pub enum Next {
 pub struct Plan {
     page: i64,
     parts: Vec<Part>,
+    /// A range no request reaches into (`[start, end)` of a prefix), see [`Plan::skipping`].
+    skip: Option<(Vec<u8>, Vec<u8>)>,
     requests: u64,
     walked: u64,
     busy: Vec<bool>,
@@ -294,33 +313,69 @@ impl Plan {
         Plan {
             page,
             parts,
+            skip: None,
             requests: 0,
             walked: 0,
             busy: vec![false; readers.max(1)],
         }
     }
 
+    /// Reads nothing under `prefix`: requests end where it starts and resume where it ends
+    /// (thousands of tiny sibling prefixes, such as hosts' copies, would otherwise cost a
+    /// request each few of them).
+    pub fn skipping(mut self, prefix: &[u8]) -> Plan {
+        self.skip = Some((prefix.to_vec(), prefix_end(prefix)));
+        self
+    }
+
+    /// A part whose position is inside the skipped range moves past it.
+    fn jump_skip(&mut self, r: usize) {
+        let (Some((from, to)), Some(part)) = (&self.skip, self.parts.get_mut(r)) else {
+            return;
+        };
+        if part.start >= *from && part.start < *to {
+            part.start = if *to < part.end { to.clone() } else { part.end.clone() };
+        }
+    }
+
     /// What reader `r` should do next.
     pub fn next(&mut self, r: usize) -> Next {
-        let Some(mine) = self.parts.get(r) else {
-            return Next::Done;
-        };
-        if mine.is_empty() && !self.take_over(r) {
-            // Nothing to take now; a busy reader's part may be cut once its request is back.
-            return if self.parts.iter().any(|p| !p.is_empty()) {
-                Next::Wait
-            } else {
-                Next::Done
+        // A part taken over may lie wholly in the skipped range: take another. Each take
+        // shrinks a part, so this ends; the bound is for safety.
+        for _ in 0..64 {
+            self.jump_skip(r);
+            let Some(mine) = self.parts.get(r) else {
+                return Next::Done;
             };
+            if !mine.is_empty() {
+                return self.read_next(r);
+            }
+            if !self.take_over(r) {
+                // Nothing to take now; a busy reader's part may be cut once its request is back.
+                return if self.parts.iter().any(|p| !p.is_empty()) {
+                    Next::Wait
+                } else {
+                    Next::Done
+                };
+            }
         }
+        Next::Wait
+    }
+
+    /// Reader `r`'s next request in its (non-empty) part.
+    fn read_next(&mut self, r: usize) -> Next {
+        let skip_from = self.skip.as_ref().map(|(from, _)| from.clone());
         let Some(part) = self.parts.get_mut(r) else {
             return Next::Done;
         };
         let len = part.once.take().unwrap_or(part.depth).min(part.start.len());
-        let end = match ancestor_end(&part.start, len) {
+        let mut end = match ancestor_end(&part.start, len) {
             Some(e) if e < part.end => e,
             _ => part.end.clone(),
         };
+        if let Some(from) = skip_from.filter(|from| part.start < *from && *from < end) {
+            end = from;
+        }
         part.in_flight = Some(end.clone());
         if let Some(busy) = self.busy.get_mut(r) {
             *busy = true;
@@ -486,6 +541,68 @@ mod tests {
                 plan.answered(r, in_range.len() as i64, more, got.last().map(|k| k.as_slice()));
                 read[r].extend(got);
             }
+        }
+    }
+
+    #[test]
+    fn a_skipped_prefix_is_never_read_and_costs_no_request() {
+        // 2,000 groups of 8 ranks and their hosts' copies (a host per 8 ranks, as agents
+        // write them): without the skip the copies' thousands of tiny prefixes cost extra
+        // requests; with it none reaches them, every other key is read once, and the
+        // requests are those of the same keys without copies.
+        let mut keys = layout(2_000, 0, 8);
+        let without_copies = keys.clone();
+        for g in 0..2_000 {
+            for r in 0..8 {
+                keys.insert(format!("/p/v1/groups/_hosts/host-{g}/scale-{g}/{r}/live").into_bytes());
+            }
+        }
+        keys.insert(b"/p/v1/coordinators/c1".to_vec());
+        for readers in [1, 4] {
+            let (_, _, unskipped) = run(&keys, b"/p/v1/", readers, PAGE);
+            let (_, _, no_copies) = run(&without_copies, b"/p/v1/", readers, PAGE);
+            let mut plan = Plan::new(b"/p/v1/", readers, PAGE).skipping(b"/p/v1/groups/_hosts/");
+            let mut read = Vec::new();
+            let mut requests = 0;
+            loop {
+                let mut round = Vec::new();
+                for r in 0..readers {
+                    if let Next::Read { start, end } = plan.next(r) {
+                        round.push((r, start, end));
+                    }
+                }
+                if round.is_empty() {
+                    break;
+                }
+                for (r, start, end) in round {
+                    assert!(
+                        end <= b"/p/v1/groups/_hosts/".to_vec() || start >= b"/p/v1/groups/_hosts0".to_vec(),
+                        "a request reaches into the skipped range: {start:?}..{end:?}"
+                    );
+                    requests += 1;
+                    let in_range: Vec<&Vec<u8>> = keys.range(start..end).collect();
+                    let got: Vec<Vec<u8>> = in_range.iter().take(PAGE as usize).map(|k| k.to_vec()).collect();
+                    let more = in_range.len() > got.len();
+                    plan.answered(r, in_range.len() as i64, more, got.last().map(|k| k.as_slice()));
+                    read.extend(got);
+                }
+            }
+            read.sort();
+            let want: Vec<Vec<u8>> = keys
+                .range(b"/p/v1/".to_vec()..b"/p/v10".to_vec())
+                .filter(|k| !k.starts_with(b"/p/v1/groups/_hosts/"))
+                .cloned()
+                .collect();
+            assert!(
+                read == want,
+                "readers {readers}: read {} keys, want {}",
+                read.len(),
+                want.len()
+            );
+            assert!(
+                requests <= no_copies + 1 && requests < unskipped,
+                "{requests} requests with the skip, {unskipped} without, {no_copies} with no copies at all"
+            );
         }
     }
 
