@@ -215,44 +215,67 @@ async fn stage(
     Ok(out)
 }
 
-/// One reader: an HTTP/1.0 request (so the body is the stream itself, no chunked framing),
-/// lines scanned as they come; only probe events are parsed.
-async fn read_events(addr: SocketAddr, seen: Arc<Mutex<Seen>>, stop: Arc<AtomicBool>) {
-    let Ok(mut s) = tokio::net::TcpStream::connect(addr).await else {
-        return;
-    };
-    if s.write_all(b"GET /v1/events HTTP/1.0\r\nAccept: text/event-stream\r\n\r\n")
-        .await
-        .is_err()
-    {
-        return;
+/// A `GET /v1/events` stream read line by line: an HTTP/1.0 request, so the body is the
+/// stream itself (no chunked framing).
+pub(crate) struct EventLines {
+    stream: tokio::net::TcpStream,
+    buf: Vec<u8>,
+    carry: Vec<u8>,
+}
+
+impl EventLines {
+    pub(crate) async fn open(addr: SocketAddr) -> Option<EventLines> {
+        let mut stream = tokio::net::TcpStream::connect(addr).await.ok()?;
+        stream
+            .write_all(b"GET /v1/events HTTP/1.0\r\nAccept: text/event-stream\r\n\r\n")
+            .await
+            .ok()?;
+        Some(EventLines {
+            stream,
+            buf: vec![0u8; 64 * 1024],
+            carry: Vec::new(),
+        })
     }
-    let mut buf = vec![0u8; 64 * 1024];
-    let mut carry: Vec<u8> = Vec::new();
-    while !stop.load(Ordering::Relaxed) {
-        let n = match s.read(&mut buf).await {
-            Ok(0) | Err(_) => return,
+
+    /// The complete lines that arrived with the next read (maybe none); `None` at the end.
+    pub(crate) async fn next_lines(&mut self) -> Option<Vec<Vec<u8>>> {
+        let n = match self.stream.read(&mut self.buf).await {
+            Ok(0) | Err(_) => return None,
             Ok(n) => n,
         };
-        let now = Instant::now();
-        carry.extend_from_slice(&buf[..n]);
-        let Some(last_nl) = carry.iter().rposition(|b| *b == b'\n') else {
-            continue;
+        self.carry.extend_from_slice(&self.buf[..n]);
+        let Some(last_nl) = self.carry.iter().rposition(|b| *b == b'\n') else {
+            return Some(Vec::new());
         };
+        let lines = self.carry[..last_nl]
+            .split(|b| *b == b'\n')
+            .map(<[u8]>::to_vec)
+            .collect();
+        self.carry.drain(..=last_nl);
+        Some(lines)
+    }
+}
+
+/// One reader: lines scanned as they come; only probe events are parsed.
+async fn read_events(addr: SocketAddr, seen: Arc<Mutex<Seen>>, stop: Arc<AtomicBool>) {
+    let Some(mut lines) = EventLines::open(addr).await else {
+        return;
+    };
+    while !stop.load(Ordering::Relaxed) {
+        let Some(got) = lines.next_lines().await else { return };
+        let now = Instant::now();
         let Ok(mut st) = seen.lock() else { return };
         st.connected = true;
-        for line in carry[..last_nl].split(|b| *b == b'\n') {
+        for line in got {
             if line.starts_with(b"data:") {
                 st.events += 1;
-                if let Some(room) = probe_room(line) {
+                if let Some(room) = probe_room(&line) {
                     st.probes.push((room, now));
                 }
             } else if line.starts_with(b"event: error") {
                 st.cut_off = true;
             }
         }
-        drop(st);
-        carry.drain(..=last_nl);
     }
 }
 

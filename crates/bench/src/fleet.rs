@@ -186,37 +186,20 @@ fn count_watch(
     (task, seen)
 }
 
-/// One `GET /v1/events` reader (HTTP/1.0, so the body is the stream itself): counts the
-/// certified `down` rank events it receives, until the task is aborted.
+/// One `GET /v1/events` reader: counts the certified `down` rank events it receives, until
+/// the task is aborted.
 async fn subscribe(addr: std::net::SocketAddr, downs: std::sync::Arc<std::sync::atomic::AtomicU64>) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let Ok(mut s) = tokio::net::TcpStream::connect(addr).await else {
+    let Some(mut lines) = crate::events::EventLines::open(addr).await else {
         return;
     };
-    if s.write_all(b"GET /v1/events HTTP/1.0\r\nAccept: text/event-stream\r\n\r\n")
-        .await
-        .is_err()
-    {
-        return;
-    }
-    let (mut buf, mut carry) = (vec![0u8; 64 * 1024], Vec::new());
-    loop {
-        let n = match s.read(&mut buf).await {
-            Ok(0) | Err(_) => return,
-            Ok(n) => n,
-        };
-        carry.extend_from_slice(&buf[..n]);
-        let Some(last_nl) = carry.iter().rposition(|b| *b == b'\n') else {
-            continue;
-        };
-        let certified_downs = carry[..last_nl]
-            .split(|b| *b == b'\n')
+    while let Some(got) = lines.next_lines().await {
+        let certified_downs = got
+            .iter()
             .filter(|l| {
                 l.starts_with(b"data:") && contains(l, b"\"state\":\"down\"") && contains(l, b"\"certified\":true")
             })
             .count();
         downs.fetch_add(certified_downs as u64, std::sync::atomic::Ordering::Relaxed);
-        carry.drain(..=last_nl);
     }
 }
 
@@ -414,8 +397,9 @@ async fn one(env: &Env, cfg: &FleetCfg, n: usize) -> anyhow::Result<Value> {
         .await
         .saturating_sub(leaders_before);
     let live_at_end = totals(&http, &coordinator.url).await.map_or(0, |t| t.0);
-    // One Prometheus scrape at this size (after the window, so it is not in its figures):
-    // `rootrank_rank_up` has a series per rank.
+    let (rss_steady, _) = rss_bytes(coordinator.pid)?;
+    // One Prometheus scrape at this size (after the window and the RSS reading, so it is in
+    // neither): `rootrank_rank_up` has a series per rank.
     let scrape_started = Instant::now();
     let metrics_text = http
         .get(format!("{}/metrics", coordinator.url))
@@ -428,7 +412,6 @@ async fn one(env: &Env, cfg: &FleetCfg, n: usize) -> anyhow::Result<Value> {
         "seconds": scrape_started.elapsed().as_secs_f64(),
         "rank_up_series": metrics_text.lines().filter(|l| l.starts_with("rootrank_rank_up{")).count(),
     });
-    let (rss_steady, _) = rss_bytes(coordinator.pid)?;
     let etcd_cpu_ms_per_s = etcd_cpu_s * 1e3 / window_s;
     let steady = json!({
         "window_s": window_s,

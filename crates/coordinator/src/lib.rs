@@ -19,6 +19,7 @@ pub mod http;
 pub mod lease_doubt;
 pub mod metrics;
 pub mod presence;
+pub mod series;
 pub mod server;
 pub mod sync;
 pub mod waiters;

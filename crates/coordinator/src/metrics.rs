@@ -7,13 +7,17 @@ use prometheus::{
 
 use rootrank_core::Index;
 
+use crate::series::Series;
+
 pub struct Metrics {
     registry: Registry,
-    pub root_causes: IntCounterVec,
+    // Families labelled by group (and rank) are `Series`: prometheus' own vectors merge
+    // label sets such as ("prefill-1", "10") and ("prefill-11", "0") (see series.rs).
+    pub root_causes: Series,
     pub verdicts: IntCounterVec,
-    pub failure_records: IntCounterVec,
+    pub failure_records: Series,
     pub invalid_records: IntCounterVec,
-    pub rank_up: IntGaugeVec,
+    pub rank_up: Series,
     pub index_rooms: IntGauge,
     pub resolution_seconds: Histogram,
     pub watch_restarts: IntCounter,
@@ -21,7 +25,7 @@ pub struct Metrics {
     pub http_connections: IntGauge,
     pub http_connections_refused: IntCounter,
 
-    pub rank_stalled: IntGaugeVec,
+    pub rank_stalled: Series,
     pub events_readers: IntGauge,
     /// v4: 1 while etcd raises the alarm (`NOSPACE`, `CORRUPT`), else 0.
     pub etcd_alarm: IntGaugeVec,
@@ -33,22 +37,18 @@ pub struct Metrics {
 impl Metrics {
     pub fn new() -> Result<Self, prometheus::Error> {
         let registry = Registry::new();
-        let root_causes = IntCounterVec::new(
-            Opts::new(
-                "rootrank_root_causes_total",
-                "Rooms resolved, by the rank that really failed them and why",
-            ),
+        let root_causes = Series::counter(
+            "rootrank_root_causes_total",
+            "Rooms resolved, by the rank that really failed them and why",
             &["group", "rank", "reason", "source"],
         )?;
         let verdicts = IntCounterVec::new(
             Opts::new("rootrank_verdicts_total", "Verdicts served, by status"),
             &["status"],
         )?;
-        let failure_records = IntCounterVec::new(
-            Opts::new(
-                "rootrank_failure_records_total",
-                "Room failure records indexed, by group and origin",
-            ),
+        let failure_records = Series::counter(
+            "rootrank_failure_records_total",
+            "Room failure records indexed, by group and origin",
             &["group", "origin"],
         )?;
         let invalid_records = IntCounterVec::new(
@@ -58,11 +58,9 @@ impl Metrics {
             ),
             &["kind"],
         )?;
-        let rank_up = IntGaugeVec::new(
-            Opts::new(
-                "rootrank_rank_up",
-                "1 while the rank's live key exists and it is not certified down",
-            ),
+        let rank_up = Series::gauge(
+            "rootrank_rank_up",
+            "1 while the rank's live key exists and it is not certified down",
             &["group", "rank"],
         )?;
         let index_rooms = IntGauge::new("rootrank_index_rooms", "Rooms held in the coordinator's index")?;
@@ -94,11 +92,9 @@ impl Metrics {
             "rootrank_http_connections_refused_total",
             "HTTP connections closed on arrival because --max-connections were open",
         )?;
-        let rank_stalled = IntGaugeVec::new(
-            Opts::new(
-                "rootrank_rank_stalled",
-                "1 while a live rank's loop is not advancing (its RankStall record exists), else 0",
-            ),
+        let rank_stalled = Series::gauge(
+            "rootrank_rank_stalled",
+            "1 while a live rank's loop is not advancing (its RankStall record exists), else 0",
             &["group", "rank"],
         )?;
         let events_readers = IntGauge::new("rootrank_events_readers", "Clients following GET /v1/events now")?;
@@ -159,40 +155,28 @@ impl Metrics {
         if groups.is_empty() {
             return;
         }
-        let forget = |vec: &IntCounterVec| {
-            use prometheus::core::Collector;
-            for family in vec.collect() {
-                for metric in family.get_metric() {
-                    let labels = metric.get_label();
-                    if labels.iter().any(|l| l.name() == "group" && groups.contains(l.value())) {
-                        // By name: the exposition sorts labels, the vector's order may differ.
-                        let by_name: std::collections::HashMap<&str, &str> =
-                            labels.iter().map(|l| (l.name(), l.value())).collect();
-                        let _ = vec.remove(&by_name);
-                    }
-                }
-            }
-        };
-        forget(&self.root_causes);
-        forget(&self.failure_records);
+        for series in [&self.root_causes, &self.failure_records] {
+            series.retain(|labels| labels.first().is_none_or(|g| !groups.contains(g.as_str())));
+        }
     }
 
     /// Renders the text exposition; gauges derived from the index are refreshed first.
     pub fn render(&self, index: &Index) -> String {
         // A poisoned lock only means a scrape panicked: the gauges are refilled below anyway.
         let _one_scrape = self.render_lock.lock().unwrap_or_else(|e| e.into_inner());
-        self.rank_up.reset();
-        for (g, r, up) in index.rank_liveness() {
-            self.rank_up
-                .with_label_values(&[g.as_str(), &r.to_string()])
-                .set(i64::from(up));
-        }
-        self.rank_stalled.reset();
-        for (g, r, stalled) in index.rank_stalls() {
-            self.rank_stalled
-                .with_label_values(&[g.as_str(), &r.to_string()])
-                .set(i64::from(stalled));
-        }
+        self.rank_up.replace(
+            index
+                .rank_liveness()
+                .into_iter()
+                .map(|(g, r, up)| (vec![g.as_str().to_string(), r.to_string()], f64::from(u8::from(up)))),
+        );
+        self.rank_stalled
+            .replace(index.rank_stalls().into_iter().map(|(g, r, stalled)| {
+                (
+                    vec![g.as_str().to_string(), r.to_string()],
+                    f64::from(u8::from(stalled)),
+                )
+            }));
         self.index_rooms.set(index.room_count() as i64);
         let mut buf = Vec::new();
         if TextEncoder::new().encode(&self.registry.gather(), &mut buf).is_err() {
@@ -230,16 +214,49 @@ mod tests {
     fn a_forgotten_group_takes_its_series_along() {
         let metrics = Metrics::new().unwrap();
         for g in ["a-0", "b-0"] {
-            metrics.failure_records.with_label_values(&[g, "local"]).inc();
-            metrics
-                .root_causes
-                .with_label_values(&[g, "1", "nixl_error", "room_record"])
-                .inc();
+            metrics.failure_records.inc(&[g, "local"]);
+            metrics.root_causes.inc(&[g, "1", "nixl_error", "room_record"]);
         }
         metrics.forget_groups(&["a-0"].into_iter().collect());
         let text = metrics.render(&Index::new(IndexConfig::default()));
         assert!(!text.contains("group=\"a-0\""), "{text}");
         assert_eq!(text.matches("group=\"b-0\"").count(), 2, "{text}");
+    }
+
+    /// `prefill-1` rank 10 and `prefill-11` rank 0 (TP 16 and group names ending in a number)
+    /// are two series, each with its own value: prometheus' vectors merged them.
+    #[test]
+    fn every_rank_of_groups_whose_names_run_into_their_ranks_has_its_series() {
+        let mut index = Index::new(IndexConfig::default());
+        let mut revision = 2;
+        for group in ["prefill-1", "prefill-11"] {
+            for rank in 0..16u32 {
+                let value = serde_json::json!({
+                    "v": 1, "group": group, "rank": rank, "group_size": 16, "host": "h", "pid": 1000 + rank,
+                    "lease_ttl_ms": 5000, "started_at": "2026-01-01T00:00:00.000Z", "agent": "rootrank-agent/0.1.0"
+                });
+                index.apply(Event::Put {
+                    key: format!("/rootrank/v1/groups/{group}/ranks/{rank}/live").into_bytes(),
+                    value: value.to_string().into_bytes(),
+                    lease: 100 + revision,
+                    revision,
+                    create_revision: revision,
+                    observed_at_ms: 0,
+                });
+                revision += 1;
+            }
+        }
+        let metrics = Metrics::new().unwrap();
+        let text = metrics.render(&index);
+        assert_eq!(text.matches("rootrank_rank_up{").count(), 32, "{text}");
+        assert!(
+            text.contains("rootrank_rank_up{group=\"prefill-11\",rank=\"0\"} 1\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("rootrank_rank_up{group=\"prefill-1\",rank=\"10\"} 1\n"),
+            "{text}"
+        );
     }
 
     /// Two Prometheus servers scraping one replica at once: each scrape sees every series

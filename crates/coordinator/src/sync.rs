@@ -300,9 +300,7 @@ impl IndexMirror {
         for o in outputs {
             match &o {
                 Output::RecordAccepted { group, origin, .. } => {
-                    m.failure_records
-                        .with_label_values(&[group.as_str(), origin.as_str()])
-                        .inc();
+                    m.failure_records.inc(&[group.as_str(), origin.as_str()]);
                 }
                 Output::RoomResolved {
                     room,
@@ -315,8 +313,7 @@ impl IndexMirror {
                     ..
                 } => {
                     m.root_causes
-                        .with_label_values(&[group.as_str(), &rank.to_string(), reason.as_str(), source.as_str()])
-                        .inc();
+                        .inc(&[group.as_str(), &rank.to_string(), reason.as_str(), source.as_str()]);
                     if live {
                         m.resolution_seconds
                             .observe((observed_ms - first_record_observed_ms).max(0) as f64 / 1000.0);
