@@ -5,7 +5,8 @@ fails a PD request in each way a prefill instance that lost a rank can (issue 30
 The router is the real one; the three workers behind it are stand-ins that answer SGLang's
 routes the way a prefill instance does in each case (the answers are SGLang's, but their
 timing is not: this characterizes the router, not SGLang). Prefill A fails as told, prefill B
-and the decode answer normally. For each case and each prefill policy it sends requests
+answers normally, and the decode fails a room whose prefill failed (an error event in its 200
+stream, as SGLang's decode does when the room's KV cache never arrives). For each case and each prefill policy it sends requests
 (streaming, as SGLang clients do) and reports what the client got and how many times each
 prefill was tried.
 
@@ -39,6 +40,11 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# Rooms a prefill stand-in failed: the decode stand-in fails them too, as SGLang's decode does
+# when the KV cache of its room never arrives (an error event in its 200 stream).
+FAILED_ROOMS: set = set()
 
 
 class Worker:
@@ -77,8 +83,11 @@ class Worker:
                 req = json.loads(self.rfile.read(n) or b"{}")
                 if not self.path.startswith("/generate"):
                     return self._json(404, {"error": "no such route"})
-                worker.generate.append(req.get("bootstrap_room"))
+                room = req.get("bootstrap_room")
+                worker.generate.append(room)
                 mode = worker.mode
+                if mode != "ok":
+                    FAILED_ROOMS.add(room)
                 if mode == "503-before-stream":
                     return self._json(503, {"error": {"message": "rootrank: prefill rank 1 was killed by a signal; SGLang is shutting this server down", "code": 503}})
                 self.send_response(200)
@@ -98,7 +107,13 @@ class Worker:
                     self.connection.shutdown(socket.SHUT_RDWR)
                     return
                 time.sleep(0.05)
-                if mode == "error-in-stream":
+                if worker.name == "decode":
+                    time.sleep(0.1)  # the prefill side has answered by now
+                    if room in FAILED_ROOMS:
+                        mode = "decode-failed"
+                if mode == "decode-failed":
+                    chunk(b'data: {"error": {"message": "KVTransferError(bootstrap_room=%d): Failed to get kvcache from prefill instance", "code": 500}}\n\n' % room)
+                elif mode == "error-in-stream":
                     chunk(b'data: {"error": {"message": "rootrank: prefill rank 1 was killed by a signal", "code": 503}}\n\n')
                 else:
                     chunk(b'data: {"text": "ok", "meta_info": {"id": "x"}}\n\n')
