@@ -176,6 +176,7 @@ async fn four_thousand_ranks_render_without_freezing_the_page() {
                 endpoints: Vec::new(),
                 pid_ns: None,
                 start_ticks: None,
+                incarnation: None,
             };
             ops.push(TxnOp::put(
                 keys.live(&group, r),

@@ -33,6 +33,14 @@ pub struct NodeWatchArgs {
     /// `fleet`, all of `PREFIX/groups/` (for agents older than the host copies).
     #[arg(long, value_enum, default_value_t = Scope::Host)]
     pub watch_scope: Scope,
+    /// Hold one liveness lease for this host, with this TTL (ms, whole seconds, at least
+    /// 1000), and move each rank this watchdog watches onto it: one keepalive per host instead
+    /// of one per rank (docs/fleet.md). A rank's death is still certified here in
+    /// milliseconds; a host that dies takes its lease and all its ranks; if this watchdog
+    /// stops, its ranks register again on their own leases (`lease_lost`, no death).
+    /// Off by default: each rank keeps its own lease.
+    #[arg(long, value_name = "MS")]
+    pub host_lease_ttl_ms: Option<u64>,
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug)]
@@ -52,6 +60,13 @@ pub fn run(a: NodeWatchArgs) -> anyhow::Result<u8> {
     config.watch_scope = match a.watch_scope {
         Scope::Host => rootrank_node::WatchScope::Host,
         Scope::Fleet => rootrank_node::WatchScope::Fleet,
+    };
+    config.host_lease_ttl = match a.host_lease_ttl_ms {
+        None => None,
+        Some(ms) if ms < 1_000 || ms % 1_000 != 0 => anyhow::bail!(
+            "--host-lease-ttl-ms {ms}: etcd leases have whole seconds; give at least 1000 and a multiple of 1000 (e.g. 5000)"
+        ),
+        Some(ms) => Some(Duration::from_millis(ms)),
     };
     config.py_spy = match a.py_spy {
         Some(p) if p.as_os_str() == "none" => None,

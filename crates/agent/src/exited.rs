@@ -90,7 +90,7 @@ async fn certify(
         let Ok(live) = RankLive::parse(kv.value()) else {
             continue;
         };
-        let Ok(incarnation) = Incarnation::new(kv.lease()) else {
+        let Ok(incarnation) = live.incarnation_on(kv.lease()) else {
             continue;
         };
         if me.names(&live, exited.pid) {

@@ -14,6 +14,7 @@
 
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
 pub mod exited;
+mod own_key;
 pub mod procfs;
 pub mod script;
 pub mod stall;
@@ -219,6 +220,10 @@ pub struct AgentStats {
 pub(crate) struct Shared {
     pub stats: AgentStats,
     pub incarnation: AtomicI64,
+    /// The lease the live key rides on now: the incarnation's own, or its host's once
+    /// `node-watch --host-lease-ttl-ms` moved it there (v5). Stall records and attachments
+    /// go on this one.
+    pub liveness_lease: AtomicI64,
     pub registered: (Mutex<bool>, Condvar),
     /// Why the live key could not be created (another incarnation holds it), while that
     /// lasts; `None` once registered.
@@ -279,6 +284,7 @@ impl Shared {
     pub(crate) fn set_incarnation(&self, lease: i64) {
         self.set_refused(None);
         self.incarnation.store(lease, Ordering::SeqCst);
+        self.liveness_lease.store(lease, Ordering::SeqCst);
         self.stats.registrations.fetch_add(1, Ordering::Relaxed);
         let (lock, cv) = &self.registered;
         if let Ok(mut g) = lock.lock() {

@@ -14,6 +14,7 @@ use rootrank_store::{Backoff, EtcdAccess, LazyClient, Retained, RetainedWriter, 
 use tokio::sync::{mpsc, watch};
 use tracing::{debug, error, info, info_span, warn, Instrument};
 
+use crate::own_key::{KeyChange, OwnKeyWatch};
 use crate::stall::StallAction;
 use crate::{procfs, AgentConfig, Command, Shared, AGENT_VERSION};
 
@@ -177,6 +178,7 @@ fn live_record(config: &AgentConfig, started_at: &str) -> Result<Vec<u8>, serde_
         endpoints: config.advertised.clone(),
         pid_ns: config.pid_ns,
         start_ticks: config.start_ticks,
+        incarnation: None,
     };
     serde_json::to_vec(&rec)
 }
@@ -226,10 +228,17 @@ async fn liveness(
             Next::Again => continue,
             Next::Stop => return,
         };
-        match l.keep_alive(lease).await {
+        let mut own_key = OwnKeyWatch::new(l.live_key.clone(), lease, l.registered_revision.load(Ordering::SeqCst));
+        match l.keep_alive(lease, &mut own_key).await {
             Next::Stop => return,
+            // Moved to its host's lease (v5): followed there until that is lost.
+            Next::Go(Some(host_lease)) => {
+                if let Next::Stop = l.on_host_lease(lease, host_lease, &mut own_key).await {
+                    return;
+                }
+            }
             // The incarnation is lost: register a new one.
-            Next::Go(()) | Next::Again => continue,
+            Next::Go(None) | Next::Again => continue,
         }
     }
 }
@@ -347,9 +356,63 @@ impl Liveness {
         Next::Go(lease)
     }
 
-    /// Keeps `lease` alive until it is lost (`Go`) or the agent stops. Streams die with etcd
-    /// restarts; they are re-opened for the same lease.
-    async fn keep_alive(&mut self, lease: i64) -> Next<()> {
+    /// The incarnation `own` rides on its host's lease (node-watch moved its keys there): its
+    /// own lease is no longer kept alive (it carries nothing), stall records and attachments go
+    /// on the host's, and the incarnation lasts until its live key goes (`Go`: register again,
+    /// on an own lease: node-watch stopped, or someone deleted it) or the agent stops.
+    async fn on_host_lease(&mut self, own: i64, mut host_lease: i64, own_key: &mut OwnKeyWatch) -> Next<()> {
+        let mut client = self.client.clone();
+        loop {
+            self.shared.liveness_lease.store(host_lease, Ordering::SeqCst);
+            info!(
+                incarnation = own,
+                host_lease, "this rank's live key rides on its host's lease now"
+            );
+            self.reattach(host_lease).await;
+            let change = tokio::select! {
+                c = own_key.next(&mut client) => c,
+                _ = self.stop.changed() => return Next::Stop,
+            };
+            match change {
+                KeyChange::OnLease(l) if l == host_lease => continue,
+                KeyChange::OnLease(l) => host_lease = l,
+                KeyChange::Gone => {
+                    if *self.stop.borrow() || self.shared.stopping.load(Ordering::SeqCst) {
+                        return Next::Stop;
+                    }
+                    warn!(
+                        incarnation = own,
+                        host_lease,
+                        "this rank's live key on its host's lease is gone (node-watch stopped, or the key was deleted); registering again on its own lease"
+                    );
+                    return Next::Go(());
+                }
+            }
+        }
+    }
+
+    /// Puts the attachments on `lease` (node-watch moves those it saw; this covers one put
+    /// meanwhile).
+    async fn reattach(&mut self, lease: i64) {
+        let opts = PutOptions::new().with_lease(lease);
+        let attached: Vec<(String, Vec<u8>)> = self
+            .attachments
+            .lock()
+            .map(|a| a.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
+            .unwrap_or_default();
+        for (suffix, value) in attached {
+            let key = self.keys.rank_attachment(&self.config.group, self.config.rank, &suffix);
+            if let Err(e) = self.client.put(key, value, Some(opts.clone())).await {
+                warn!(error = %e, suffix, "agent could not re-attach a key to its liveness lease");
+            }
+        }
+    }
+
+    /// Keeps `lease` alive until it is lost (`Go(None)`), its live key moves to its host's
+    /// lease (`Go(Some(host lease))`) or the agent stops. Streams die with etcd restarts; they
+    /// are re-opened for the same lease.
+    async fn keep_alive(&mut self, lease: i64, own_key: &mut OwnKeyWatch) -> Next<Option<i64>> {
+        let mut watch_client = self.client.clone();
         let ttl = self.ttl;
         let mut last_ok = Instant::now();
         loop {
@@ -362,12 +425,12 @@ impl Liveness {
                 // the stream was down). Reopening for it would retry forever.
                 Ok(Err(rootrank_store::etcd_client::Error::LeaseKeepAliveError(e))) => {
                     warn!(incarnation = lease, error = %e, "liveness lease is gone (revoked or expired); registering a new incarnation");
-                    return Next::Go(());
+                    return Next::Go(None);
                 }
                 other => {
                     debug!(?other, "keepalive stream failed to open");
                     if gave_up(&mut self.client, lease, last_ok, ttl).await {
-                        return Next::Go(());
+                        return Next::Go(None);
                     }
                     if !self.backoff().await {
                         return Next::Stop;
@@ -400,7 +463,7 @@ impl Liveness {
                     }
                     Ok(Ok(Some(_))) => {
                         warn!(incarnation = lease, "liveness lease expired (etcd unreachable for longer than the TTL); registering a new incarnation");
-                        return Next::Go(());
+                        return Next::Go(None);
                     }
                     other => {
                         debug!(
@@ -409,7 +472,7 @@ impl Liveness {
                             "keepalive failed; reopening"
                         );
                         if gave_up(&mut self.client, lease, last_ok, ttl).await {
-                            return Next::Go(());
+                            return Next::Go(None);
                         }
                         if !self.backoff().await {
                             return Next::Stop;
@@ -417,8 +480,24 @@ impl Liveness {
                         break;
                     }
                 }
-                if !self.pause(self.interval).await {
-                    return Next::Stop;
+                // Between keepalives, the live key's watch: a move to the host's lease, or
+                // the key gone while its lease lives (deleted by hand).
+                let change = tokio::select! {
+                    _ = tokio::time::sleep(self.interval) => None,
+                    c = own_key.next(&mut watch_client) => Some(c),
+                    _ = self.stop.changed() => return Next::Stop,
+                };
+                match change {
+                    Some(KeyChange::OnLease(l)) if l != lease => return Next::Go(Some(l)),
+                    Some(KeyChange::Gone) if !self.shared.stopping.load(Ordering::SeqCst) => {
+                        warn!(
+                            incarnation = lease,
+                            "this rank's live key was deleted while its lease lives; registering a new incarnation"
+                        );
+                        revoke_quietly(&mut self.client, lease).await;
+                        return Next::Go(None);
+                    }
+                    _ => {}
                 }
             }
         }
@@ -475,11 +554,14 @@ async fn stall_watch(config: AgentConfig, mut client: Client, shared: Arc<Shared
             None => {}
         }
         let incarnation = shared.incarnation.load(Ordering::SeqCst);
+        // The lease the live key rides on: written again when it changes (v5: moved to the
+        // host's lease, or back to an own one).
+        let lease = shared.liveness_lease.load(Ordering::SeqCst);
         let Some((since_ms, stalled_ms)) = want else { continue };
         let Ok(inc) = Incarnation::new(incarnation) else {
             continue;
         };
-        if written == incarnation {
+        if written == lease {
             continue;
         }
         // Wall-clock time of the last progress, for people (ordering is by etcd revision).
@@ -497,14 +579,14 @@ async fn stall_watch(config: AgentConfig, mut client: Client, shared: Arc<Shared
         let Ok(value) = serde_json::to_vec(&record) else {
             continue;
         };
-        let opts = PutOptions::new().with_lease(incarnation);
+        let opts = PutOptions::new().with_lease(lease);
         let mut ops = vec![TxnOp::put(key.as_str(), value.clone(), Some(opts.clone()))];
         ops.extend(
             copy.iter()
                 .map(|c| TxnOp::put(c.as_str(), value.clone(), Some(opts.clone()))),
         );
         match tokio::time::timeout(rootrank_store::REQUEST_TIMEOUT, client.txn(Txn::new().and_then(ops))).await {
-            Ok(Ok(_)) => written = incarnation,
+            Ok(Ok(_)) => written = lease,
             other => debug!(?other, "stall record not written yet; retrying"),
         }
     }
@@ -559,7 +641,16 @@ async fn register(
         Some(r) if process_gone(config, r) => {
             Some("the live key's holder was a process of this host that is gone (a restart before its lease ran out); taking it over")
         }
-        _ if certified_dead(client, config, kv.lease()).await? => {
+        _ if certified_dead(
+            client,
+            config,
+            record
+                .as_ref()
+                .and_then(|r| r.incarnation_on(kv.lease()).ok())
+                .map_or(kv.lease(), |i| i.lease_id()),
+        )
+        .await? =>
+        {
             Some("the live key's holder is certified dead (its lease has not run out yet); taking it over")
         }
         _ => None,
@@ -821,16 +912,13 @@ async fn publisher(
                 if let Ok(mut a) = attachments.lock() {
                     a.insert(suffix.clone(), value.clone());
                 }
-                let lease = wait_incarnation(&shared).await;
+                wait_incarnation(&shared).await;
+                let lease = shared.liveness_lease.load(Ordering::SeqCst);
                 let key = keys.rank_attachment(&config.group, config.rank, &suffix);
                 let mut backoff = Backoff::new(Duration::from_millis(20), Duration::from_secs(1));
                 let mut tries = 0;
                 while let Err(e) = attach_client
-                    .put(
-                        key.clone(),
-                        value.clone(),
-                        Some(PutOptions::new().with_lease(lease.lease_id())),
-                    )
+                    .put(key.clone(), value.clone(), Some(PutOptions::new().with_lease(lease)))
                     .await
                 {
                     tries += 1;
@@ -865,7 +953,12 @@ async fn publisher(
                     );
                     write_certificate(&keys, &mut writer, &down).await;
                     let lease = shared.incarnation.load(Ordering::SeqCst);
-                    if lease > 0 {
+                    let rides_on = shared.liveness_lease.load(Ordering::SeqCst);
+                    if lease > 0 && rides_on > 0 && rides_on != lease {
+                        // On the host's lease (v5), which the other ranks of the host share:
+                        // this rank's keys are deleted, not the lease.
+                        delete_from_host_lease(&mut attach_client, &config, &keys, &attachments, rides_on).await;
+                    } else if lease > 0 {
                         if let Err(e) = attach_client.lease_revoke(lease).await {
                             warn!(error = %e, "could not revoke the liveness lease; it will expire");
                         }
@@ -880,6 +973,43 @@ async fn publisher(
                 return;
             }
         }
+    }
+}
+
+/// A clean shutdown's delete of this rank's keys from its host's lease: its live key, stall
+/// record, attachments and host copies, only while the live key still rides on that lease.
+async fn delete_from_host_lease(
+    client: &mut Client,
+    config: &AgentConfig,
+    keys: &Keys,
+    attachments: &Attachments,
+    host_lease: i64,
+) {
+    let live = keys.live(&config.group, config.rank);
+    let mut doomed = vec![live.clone(), keys.stall(&config.group, config.rank)];
+    doomed.extend(host_copy(config, HostCopyOf::Live));
+    doomed.extend(host_copy(config, HostCopyOf::Stall));
+    if let Ok(a) = attachments.lock() {
+        doomed.extend(a.keys().map(|s| keys.rank_attachment(&config.group, config.rank, s)));
+    }
+    let txn = Txn::new()
+        .when([rootrank_store::etcd_client::Compare::lease(
+            live.as_str(),
+            rootrank_store::etcd_client::CompareOp::Equal,
+            host_lease,
+        )])
+        .and_then(
+            doomed
+                .iter()
+                .map(|k| TxnOp::delete(k.as_str(), None))
+                .collect::<Vec<_>>(),
+        );
+    match tokio::time::timeout(rootrank_store::REQUEST_TIMEOUT, client.txn(txn)).await {
+        Ok(Ok(_)) => {}
+        other => warn!(
+            ?other,
+            "could not delete this rank's keys from its host's lease; node-watch deletes them when the process exits"
+        ),
     }
 }
 

@@ -80,6 +80,7 @@ pub fn live_value_on(host: &str, group: &GroupId, rank: u32, size: u32, ttl_ms: 
         endpoints: Vec::new(),
         pid_ns: None,
         start_ticks: None,
+        incarnation: None,
     };
     Ok(serde_json::to_vec(&rec)?)
 }

@@ -77,15 +77,24 @@ impl LeaseDoubt {
     /// A live key vanished (`Output::LiveKeyVanished`): `Some` to certify now, `None` when it
     /// is held until [`LeaseDoubt::settle`] releases it.
     pub fn vanished(&mut self, vanished: Output, now_ms: i64) -> Option<Output> {
-        let Output::LiveKeyVanished { lease_ttl_ms, .. } = &vanished else {
+        let Output::LiveKeyVanished {
+            lease_ttl_ms,
+            on_host_lease,
+            ..
+        } = &vanished
+        else {
             return Some(vanished);
         };
-        if !self.in_doubt(now_ms) {
+        // A key on its host's lease (v5) vanishes the same way when the host died and when
+        // only its node-watch stopped (the ranks then register again on their own leases):
+        // always held, and only the etcd doubt opens the window below.
+        let host_lease = *on_host_lease;
+        if !host_lease && !self.in_doubt(now_ms) {
             return Some(vanished);
         }
         let ttl = lease_ttl_ms.map_or(0, |t| i64::try_from(t).unwrap_or(i64::MAX));
         let due_ms = now_ms.saturating_add(ttl).saturating_add(REREGISTER_MS);
-        if self.stale_since.is_none() {
+        if !host_lease && self.stale_since.is_none() {
             self.doubt_until = self
                 .doubt_until
                 .max(now_ms.saturating_add(EXTEND_MS))
@@ -119,6 +128,7 @@ impl LeaseDoubt {
                 group,
                 rank,
                 incarnation,
+                on_host_lease,
                 ..
             } = &h.vanished
             else {
@@ -129,7 +139,17 @@ impl LeaseDoubt {
                 return true;
             }
             if let Some(mut down) = h.vanished.clone().into_coordinator_certificate() {
-                if let Some(l) = again {
+                let host_lease = *on_host_lease;
+                if let Some(l) = again.as_ref().filter(|_| host_lease) {
+                    down.reason = Reason::well_known(reasons::LEASE_LOST);
+                    down.detail = format!(
+                        "its live key rode on its host's lease, which ran out (the host's node-watch stopped or lost etcd); the same process (pid {}{}) registered again on its own lease as incarnation {} at revision {}: not a crash",
+                        l.pid,
+                        l.host.as_ref().map(|h| format!(" on {h}")).unwrap_or_default(),
+                        l.incarnation,
+                        l.revision,
+                    );
+                } else if let Some(l) = again {
                     down.reason = Reason::well_known(reasons::LEASE_LOST);
                     down.detail = format!(
                         "its lease ran out after etcd was silent for {silence_s:.1} s (this coordinator heard nothing from it); the same process (pid {}{}) registered again as incarnation {} at revision {}: not a crash",
@@ -165,6 +185,7 @@ mod tests {
             lease_ttl_ms: Some(ttl),
             group_size: 4,
             role: None,
+            on_host_lease: false,
         }
     }
 
@@ -203,6 +224,40 @@ mod tests {
         assert_eq!(late[0].rank, 1);
         assert_eq!(late[0].reason.as_str(), "lease_expired");
         assert_eq!(d.held(), 0);
+    }
+
+    #[test]
+    fn a_key_on_its_hosts_lease_is_held_with_etcd_heard_throughout() {
+        let mut d = LeaseDoubt::new();
+        let mut on_host = vanished(0, 7, 5000);
+        if let Output::LiveKeyVanished { on_host_lease, .. } = &mut on_host {
+            *on_host_lease = true;
+        }
+        let mut dead_host = vanished(1, 8, 5000);
+        if let Output::LiveKeyVanished { on_host_lease, .. } = &mut dead_host {
+            *on_host_lease = true;
+        }
+        assert!(d.vanished(on_host, 1_000).is_none(), "node-watch may only have stopped");
+        assert!(d.vanished(dead_host, 1_000).is_none());
+        assert!(!d.in_doubt(1_000), "a host lease opens no etcd doubt for other keys");
+        assert!(d.vanished(vanished(2, 9, 5000), 1_000).is_some());
+        // Rank 0's process registered again on its own lease; rank 1's host is gone.
+        let lived_on = |_: &GroupId, rank: Rank, _: Incarnation| {
+            (rank == 0).then(|| LivedOn {
+                incarnation: Incarnation::new(11).unwrap(),
+                revision: 20,
+                pid: 40,
+                host: Some("h".into()),
+            })
+        };
+        let now = d.settle(1_200, lived_on);
+        assert_eq!(now.len(), 1);
+        assert_eq!(now[0].reason.as_str(), "lease_lost");
+        assert!(now[0].detail.contains("host's lease"), "{}", now[0].detail);
+        assert!(d.settle(1_000 + 5000 + REREGISTER_MS - 1, lived_on).is_empty());
+        let late = d.settle(1_000 + 5000 + REREGISTER_MS, lived_on);
+        assert_eq!(late.len(), 1);
+        assert_eq!((late[0].rank, late[0].reason.as_str()), (1, "lease_expired"));
     }
 
     #[test]

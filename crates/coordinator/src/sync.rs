@@ -324,9 +324,15 @@ impl IndexMirror {
                     group,
                     rank,
                     incarnation,
+                    on_host_lease,
                     ..
                 } => {
                     let (group, rank, incarnation) = (group.clone(), *rank, *incarnation);
+                    let why = if *on_host_lease {
+                        "live key on its host's lease vanished: certifying it once it is known whether its process registered again (node-watch stopped) or not (the host is gone)"
+                    } else {
+                        "live key vanished right after etcd was silent: certifying it once it is known whether its process lived on"
+                    };
                     match self.doubt.vanished(o, rootrank_store::monotonic_ms()) {
                         Some(o) => {
                             info!(%group, rank, %incarnation, "live key vanished without a certificate: recording lease_expired");
@@ -334,12 +340,7 @@ impl IndexMirror {
                                 let _ = self.cert_tx.send(ToWrite::Certificate(down));
                             }
                         }
-                        None => info!(
-                            %group,
-                            rank,
-                            %incarnation,
-                            "live key vanished right after etcd was silent: certifying it once it is known whether its process lived on"
-                        ),
+                        None => info!(%group, rank, %incarnation, "{why}"),
                     }
                 }
                 Output::RankChanged {

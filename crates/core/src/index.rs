@@ -137,6 +137,9 @@ pub enum Output {
         lease_ttl_ms: Option<u64>,
         group_size: u32,
         role: Option<String>,
+        /// v5: the key rode on its host's lease (node-watch's): a vanish is then also what
+        /// node-watch stopping looks like, so the coordinator holds it as after an etcd stall.
+        on_host_lease: bool,
     },
     /// v3: a rank's state changed (for `GET /v1/events`): registered (`live`), died (`down`
     /// or `shutdown`, with the reason as known at this revision; a later certificate that
@@ -200,6 +203,7 @@ impl Output {
             lease_ttl_ms,
             group_size,
             role,
+            ..
         } = self
         else {
             return None;
@@ -230,6 +234,8 @@ impl Output {
 pub(crate) struct LiveEntry {
     pub(crate) record: RankLive,
     pub(crate) incarnation: Incarnation,
+    /// The lease the key rides on: the incarnation's, or its host's (v5, adopted).
+    pub(crate) lease: i64,
     pub(crate) registered_revision: i64,
     pub(crate) registered_at_ms: i64,
 }
@@ -705,12 +711,16 @@ impl Index {
                     "live",
                     RecordError::KeyMismatch(format!("value names {}/{}", rec.group, rec.rank)).to_string(),
                 )),
-                Ok(rec) => match Incarnation::new(lease) {
+                Ok(_) if lease <= 0 => out.push(invalid(
+                    "live",
+                    "live key without a lease: a live key must ride on the rank's liveness lease".into(),
+                )),
+                Ok(rec) => match rec.incarnation_on(lease) {
                     Err(_) => out.push(invalid(
                         "live",
                         "live key without a lease: a live key must ride on the rank's liveness lease".into(),
                     )),
-                    Ok(inc) => self.put_live(group, rank, rec, inc, revision, now, out),
+                    Ok(inc) => self.put_live(group, rank, rec, (inc, lease), revision, now, out),
                 },
             },
             KeyKind::Down {
@@ -734,10 +744,15 @@ impl Index {
                     "stall",
                     RecordError::KeyMismatch(format!("value names {}/{}", rec.group, rec.rank)).to_string(),
                 )),
-                Ok(rec) if rec.incarnation.lease_id() != lease => out.push(invalid(
-                    "stall",
-                    "a stall record must ride on its incarnation's liveness lease".into(),
-                )),
+                // On its incarnation's lease, or on the host lease its live key rides on (v5).
+                Ok(rec)
+                    if rec.incarnation.lease_id() != lease && !self.rides_on(&group, rank, rec.incarnation, lease) =>
+                {
+                    out.push(invalid(
+                        "stall",
+                        "a stall record must ride on its incarnation's liveness lease".into(),
+                    ))
+                }
                 Ok(rec) => self.put_stall(group, rank, rec, revision, create_revision.min(revision), out),
             },
             KeyKind::Room { group, room, rank } => match RoomFailure::parse(value) {
@@ -780,7 +795,11 @@ impl Index {
                 state.live = None;
                 let detail = vanished_detail(
                     &live,
-                    "its live key vanished (lease expired, revoked or deleted) with no down certificate",
+                    if live.record.on_host_lease(live.lease) {
+                        "its live key, on its host's lease, vanished with no down certificate and its process did not register again: the host is gone or cut off from etcd"
+                    } else {
+                        "its live key vanished (lease expired, revoked or deleted) with no down certificate"
+                    },
                 );
                 self.incarnation_ended(&group, rank, &live, revision, now, detail, out);
             }
@@ -929,7 +948,7 @@ impl Index {
         group: GroupId,
         rank: Rank,
         rec: RankLive,
-        inc: Incarnation,
+        (inc, lease): (Incarnation, i64),
         revision: i64,
         now: i64,
         out: &mut Vec<Output>,
@@ -946,9 +965,11 @@ impl Index {
         let replaced = match &state.live {
             Some(cur) if cur.incarnation == inc => {
                 // Same incarnation re-published its record: keep when it registered.
+                // (Also when its host adopted it: the key moved to the host's lease.)
                 let entry = Arc::new(LiveEntry {
                     record: rec,
                     incarnation: inc,
+                    lease,
                     registered_revision: cur.registered_revision,
                     registered_at_ms: cur.registered_at_ms,
                 });
@@ -968,6 +989,7 @@ impl Index {
         let entry = Arc::new(LiveEntry {
             record: rec,
             incarnation: inc,
+            lease,
             registered_revision: revision,
             registered_at_ms,
         });
@@ -1071,6 +1093,7 @@ impl Index {
             lease_ttl_ms: live.record.lease_ttl_ms,
             group_size: live.record.group_size,
             role: live.record.role.clone(),
+            on_host_lease: live.record.on_host_lease(live.lease),
         });
         self.recheck_group(group, revision, now, out);
     }
@@ -1242,6 +1265,14 @@ impl Index {
 
     /// A stall record of a live incarnation. One of an incarnation that is dead, or not the
     /// rank's live one, describes nothing current and is ignored (its lease takes it soon).
+    /// Whether `inc` is the live incarnation of (group, rank) and its key rides on `lease`.
+    fn rides_on(&self, group: &GroupId, rank: Rank, inc: Incarnation, lease: i64) -> bool {
+        self.ranks
+            .get(&(group.clone(), rank))
+            .and_then(|s| s.live.as_ref())
+            .is_some_and(|l| l.incarnation == inc && l.lease == lease)
+    }
+
     fn put_stall(
         &mut self,
         group: GroupId,

@@ -144,6 +144,15 @@ impl Keys {
     pub fn host_copies(&self, host: &str) -> String {
         format!("{}/groups/_hosts/{host}/", self.prefix)
     }
+    /// Every key of one rank under its group: live, stall, attachments and certificates (the
+    /// trailing `/` keeps rank 1 from reading rank 10's).
+    pub fn rank_keys(&self, group: &GroupId, rank: Rank) -> String {
+        format!("{}/groups/{group}/ranks/{rank}/", self.prefix)
+    }
+    /// One rank's copies under its host; `None` as for [`Keys::host_copy`].
+    pub fn host_copies_of(&self, host: &str, group: &GroupId, rank: Rank) -> Option<String> {
+        is_key_host(host).then(|| format!("{}{group}/{rank}/", self.host_copies(host)))
+    }
     /// The copy of a rank's live or stall record under its host; `None` when `host` cannot
     /// be a key segment ([`is_key_host`]).
     pub fn host_copy(&self, host: &str, group: &GroupId, rank: Rank, of: HostCopyOf) -> Option<String> {

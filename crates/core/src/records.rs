@@ -151,6 +151,27 @@ pub struct RankLive {
     /// so whoever acts on `pid` can check it is still the same process.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub start_ticks: Option<u64>,
+    /// v5: present when the live key rides on its host's lease (`node-watch --host-lease`
+    /// adopted it): the rank's incarnation, its own lease id, which no longer carries the key.
+    /// Absent: the incarnation is the key's own lease, as ever.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub incarnation: Option<Incarnation>,
+}
+
+impl RankLive {
+    /// The incarnation of a live key that rides on `lease`: the record's own word when its
+    /// host adopted it, else the lease.
+    pub fn incarnation_on(&self, lease: i64) -> Result<Incarnation, IdError> {
+        match self.incarnation {
+            Some(inc) => Ok(inc),
+            None => Incarnation::new(lease),
+        }
+    }
+
+    /// Whether the key rides on a lease that is not its incarnation's: its host's.
+    pub fn on_host_lease(&self, lease: i64) -> bool {
+        self.incarnation.is_some_and(|i| i.lease_id() != lease)
+    }
 }
 
 /// `{p}/groups/{group}/rooms/{room}/ranks/{rank}`, on a retention lease, written once.

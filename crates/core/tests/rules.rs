@@ -835,6 +835,70 @@ fn stall(w: &mut World, g: &str, r: u32, stack: Option<&[&str]>) {
     w.put_raw(&key_stall(g, r), v.to_string().into_bytes(), inc);
 }
 
+fn stall_on(w: &mut World, g: &str, r: u32, lease: i64) {
+    let inc = w.incarnation(g, r);
+    let v = serde_json::json!({"v":1,"group":g,"rank":r,"incarnation":inc.to_string(),
+        "since":"2026-12-03T01:00:00.000Z","stalled_ms":12_000,"in_flight":null,"stack":null});
+    w.put_raw(&key_stall(g, r), v.to_string().into_bytes(), lease);
+}
+
+#[test]
+fn v5_a_rank_on_its_hosts_lease_keeps_its_incarnation_its_stall_and_says_how_it_vanished() {
+    let mut w = World::new();
+    w.coordinator_writes = false;
+    let inc0 = w.register(G, 0, 2, 5000);
+    let inc1 = w.register(G, 1, 2, 5000);
+    let host_lease = 900_001;
+    let before = w.outputs.len();
+    w.adopt(G, 0, host_lease);
+    w.adopt(G, 1, host_lease);
+    assert!(
+        !w.outputs[before..]
+            .iter()
+            .any(|o| matches!(o, Output::RankChanged { .. } | Output::Invalid { .. })),
+        "moving to the host's lease is no new registration: {:?}",
+        &w.outputs[before..]
+    );
+    let view = w.index.group(&rootrank_core::GroupId::new(G).unwrap()).unwrap();
+    let incs: Vec<_> = view.ranks.iter().map(|r| r.incarnation.map(|i| i.lease_id())).collect();
+    assert_eq!(incs, vec![Some(inc0), Some(inc1)]);
+    // Its stall record rides on the host lease too; on a lease of nobody's it is refused.
+    stall_on(&mut w, G, 1, host_lease);
+    assert_eq!(states(&w.index), vec![RankStateKind::Live, RankStateKind::Stalled]);
+    let before = w.outputs.len();
+    stall_on(&mut w, G, 0, 31_337);
+    assert!(w.outputs[before..]
+        .iter()
+        .any(|o| matches!(o, Output::Invalid { kind: "stall", .. })));
+    // The host lease runs out: each vanish says it rode on the host's lease.
+    w.vanish(G, 0);
+    let gone: Vec<_> = w
+        .outputs
+        .iter()
+        .filter_map(|o| match o {
+            Output::LiveKeyVanished {
+                rank,
+                incarnation,
+                on_host_lease,
+                detail,
+                ..
+            } => Some((
+                *rank,
+                incarnation.lease_id(),
+                *on_host_lease,
+                detail.contains("host's lease"),
+            )),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(gone, vec![(0, inc0, true, true)]);
+    // A rank on its own lease vanishes as ever.
+    let inc2 = w.register("decode-0", 0, 1, 5000);
+    w.vanish("decode-0", 0);
+    assert!(w.outputs.iter().any(|o| matches!(o,
+        Output::LiveKeyVanished { incarnation, on_host_lease: false, .. } if incarnation.lease_id() == inc2)));
+}
+
 fn states(idx: &rootrank_core::Index) -> Vec<RankStateKind> {
     let g = rootrank_core::GroupId::new(G).unwrap();
     idx.group(&g).unwrap().ranks.iter().map(|r| r.state).collect()

@@ -86,6 +86,16 @@ pub(crate) fn parent_of(pid: u32) -> Option<u32> {
     after.split_whitespace().nth(1)?.parse().ok()
 }
 
+/// Whether `pid` is stopped (state `T`: SIGSTOP; `t`: stopped by a tracer).
+pub(crate) fn is_stopped(pid: u32) -> bool {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return false;
+    };
+    stat.rsplit_once(')')
+        .and_then(|(_, after)| after.split_whitespace().next())
+        .is_some_and(|state| state == "T" || state == "t")
+}
+
 /// How far up the process tree to look: ranks are often started through a shell or a
 /// launcher, so the rank process may be a grandchild of its supervisor.
 const MAX_ANCESTRY: usize = 8;

@@ -18,6 +18,7 @@
 
 mod certs;
 mod host;
+mod host_lease;
 mod metrics;
 mod pidns;
 pub mod stack;

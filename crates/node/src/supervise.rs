@@ -439,7 +439,7 @@ async fn lookup(etcd: &mut Etcd, key: &str, child: u32) -> Lookup {
     if !crate::host::is_self_or_descendant(pid, child) {
         return Lookup::NotOurs; // an earlier incarnation's record, or a stranger's
     }
-    let Ok(incarnation) = Incarnation::new(kv.lease()) else {
+    let Ok(incarnation) = live.incarnation_on(kv.lease()) else {
         return Lookup::NotOurs;
     };
     Lookup::Found(Known {

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rootrank_core::records::{DownSource, ExitInfo as CoreExit, RankDown, SCHEMA_VERSION};
-use rootrank_core::{time, GroupId, Incarnation, Rank, Reason};
+use rootrank_core::{time, GroupId, Rank, Reason};
 use rootrank_watchdog::{ExitObserved, KernelLog, PidWatch, ProcessExit, ProcessWatcher};
 use tokio::sync::mpsc;
 use tracing::{debug, info, info_span, warn, Instrument};
@@ -48,6 +48,9 @@ pub struct NodeWatchConfig {
     pub py_spy: Option<std::path::PathBuf>,
     /// What it watches: its host's ranks (default) or the whole fleet's `groups/`.
     pub watch_scope: WatchScope,
+    /// v5: hold one lease for the host and move each rank it watches onto it (`None`, the
+    /// default: every rank keeps its own lease). See `host_lease.rs`.
+    pub host_lease_ttl: Option<Duration>,
 }
 
 impl NodeWatchConfig {
@@ -62,6 +65,7 @@ impl NodeWatchConfig {
             metrics_listen: None,
             py_spy: None,
             watch_scope: WatchScope::Host,
+            host_lease_ttl: None,
         }
     }
 }
@@ -72,6 +76,8 @@ type WatchKey = (GroupId, Rank);
 #[derive(Clone, Debug)]
 struct Watched {
     id: IncarnationId,
+    /// The lease its live key rides on: the incarnation's, or a host lease (v5).
+    lease: i64,
     pid: u32,
     registered_revision: i64,
     gpu: Option<String>,
@@ -148,6 +154,11 @@ pub async fn run(config: NodeWatchConfig, shutdown: impl Future<Output = ()>) ->
         written_tx,
     ));
 
+    let (lease_tx, mut lease_rx) = mpsc::unbounded_channel();
+    let lease_task = config
+        .host_lease_ttl
+        .map(|ttl| tokio::spawn(crate::host_lease::keep(config.etcd.clone(), ttl, lease_tx)));
+
     let (watcher, mut exits) = ProcessWatcher::<WatchKey>::new();
     let mut state = State {
         me,
@@ -162,7 +173,14 @@ pub async fn run(config: NodeWatchConfig, shutdown: impl Future<Output = ()>) ->
         warned_no_pid: HashSet::new(),
         unverified: HashSet::new(),
         unverified_pids: metrics.unverified_pids.clone(),
+        host_lease: None,
+        on_host_lease: HashMap::new(),
+        stopped_since: HashMap::new(),
     };
+    // v5: a rank on the host lease that is stopped (SIGSTOP) keeps no lease of its own from
+    // running out; checked every second (a read of /proc per watched rank).
+    let mut frozen_check = tokio::time::interval(Duration::from_secs(1));
+    frozen_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
 
     tokio::pin!(shutdown);
     loop {
@@ -171,7 +189,9 @@ pub async fn run(config: NodeWatchConfig, shutdown: impl Future<Output = ()>) ->
             biased;
             Some(exit) = exits.recv() => state.on_exit(exit),
             Some(msg) = sync_rx.recv() => state.on_sync(msg),
-            Some(id) = written_rx.recv() => { state.certified.insert(id); }
+            Some(id) = written_rx.recv() => state.on_written(id),
+            Some(l) = lease_rx.recv() => state.on_host_lease(l),
+            _ = frozen_check.tick(), if state.config.host_lease_ttl.is_some() => state.check_frozen(),
             () = &mut shutdown => break,
         }
     }
@@ -181,6 +201,10 @@ pub async fn run(config: NodeWatchConfig, shutdown: impl Future<Output = ()>) ->
     );
     sync_task.abort();
     writer.abort();
+    if let Some(t) = lease_task {
+        // Its lease then runs out: the ranks register again on their own (host_lease.rs).
+        t.abort();
+    }
     Ok(())
 }
 
@@ -202,6 +226,12 @@ struct State {
     /// `rootrank_unverified_pids_total` (SPEC section 8): served with `--metrics-listen`,
     /// and carried in the log lines either way.
     unverified_pids: prometheus::IntCounter,
+    /// v5: the host lease held now, and its TTL (ms).
+    host_lease: Option<(i64, u64)>,
+    /// Reported deaths whose keys ride on a host lease: deleted from it once certified.
+    on_host_lease: HashMap<IncarnationId, i64>,
+    /// Ranks on the host lease whose process is stopped, since when (`None`: dealt with).
+    stopped_since: HashMap<WatchKey, Option<Instant>>,
 }
 
 impl State {
@@ -229,7 +259,7 @@ impl State {
                 // After a reload, drop watches whose incarnation is no longer live.
                 let present: HashSet<IncarnationId> = lives
                     .iter()
-                    .filter_map(|l| Some((l.group.clone(), l.rank, Incarnation::new(l.lease).ok()?)))
+                    .filter_map(|l| Some((l.group.clone(), l.rank, l.record.incarnation_on(l.lease).ok()?)))
                     .collect();
                 let stale: Vec<WatchKey> = self
                     .watched
@@ -298,13 +328,16 @@ impl State {
             self.unwatch(&key);
             return;
         }
-        let Ok(incarnation) = Incarnation::new(l.lease) else {
+        let Ok(incarnation) = l.record.incarnation_on(l.lease) else {
             debug!(group = %l.group, rank = l.rank, "live key without a lease; not a rank incarnation");
             return;
         };
         let id = (l.group.clone(), l.rank, incarnation);
-        if self.watched.get(&key).is_some_and(|w| w.id == id) {
-            return; // the same incarnation re-published its record
+        if let Some(w) = self.watched.get_mut(&key).filter(|w| w.id == id) {
+            // The same incarnation re-published its record, or moved to a host lease.
+            w.lease = l.lease;
+            self.adopt(&key);
+            return;
         }
         if self.done(&id) {
             self.unwatch(&key);
@@ -341,6 +374,7 @@ impl State {
         };
         let w = Watched {
             id,
+            lease: l.lease,
             pid,
             registered_revision: l.mod_revision,
             gpu: l.record.gpu.clone(),
@@ -376,21 +410,125 @@ impl State {
             None => self.watcher.add(key.clone(), pid),
         };
         match added {
-            Ok(()) => info!(
-                group = %l.group,
-                rank = l.rank,
-                pid,
-                record_pid,
-                incarnation = %incarnation,
-                "watching {}/{} pid {pid} incarnation {incarnation}",
-                l.group,
-                l.rank
-            ),
+            Ok(()) => {
+                info!(
+                    group = %l.group,
+                    rank = l.rank,
+                    pid,
+                    record_pid,
+                    incarnation = %incarnation,
+                    "watching {}/{} pid {pid} incarnation {incarnation}",
+                    l.group,
+                    l.rank
+                );
+                // Only a rank whose process is watched rides on the host lease: its death
+                // is then certified here, in milliseconds.
+                self.adopt(&key);
+            }
             Err(e) => {
                 self.watched.remove(&key);
                 warn!(group = %l.group, rank = l.rank, pid, error = %e, "cannot watch this rank's process (node-watch needs the host pid namespace and permission to open pidfds)");
             }
         }
+    }
+
+    /// A certificate for `id` is in etcd (ours, or one written first): a dead rank on the host
+    /// lease has its keys deleted from it, since no lease of its own runs out for it.
+    fn on_written(&mut self, id: IncarnationId) {
+        if let Some(lease) = self.on_host_lease.remove(&id) {
+            tokio::spawn(crate::host_lease::release_logged(
+                self.config.etcd.clone(),
+                rootrank_core::Keys::new(&self.config.prefix),
+                self.me.hostname.clone(),
+                id.clone(),
+                lease,
+            ));
+        }
+        self.certified.insert(id);
+    }
+
+    fn on_host_lease(&mut self, l: crate::host_lease::HostLease) {
+        match l {
+            crate::host_lease::HostLease::Granted { lease, ttl_ms } => {
+                self.host_lease = Some((lease, ttl_ms));
+                let keys: Vec<WatchKey> = self.watched.keys().cloned().collect();
+                for k in keys {
+                    self.adopt(&k);
+                }
+            }
+            crate::host_lease::HostLease::Lost => self.host_lease = None,
+        }
+    }
+
+    /// A rank process stopped (SIGSTOP, a tracer) for longer than the host lease's TTL has its
+    /// live key deleted, as its own lease would have run out: the coordinator holds the vanished
+    /// key (TTL + 3 s) and certifies it `lease_expired`, or `lease_lost` if it resumes and
+    /// registers again meanwhile, exactly as with a lease per rank.
+    fn check_frozen(&mut self) {
+        let Some((host_lease, ttl_ms)) = self.host_lease else {
+            self.stopped_since.clear();
+            return;
+        };
+        let on_lease: Vec<(WatchKey, IncarnationId, u32)> = self
+            .watched
+            .iter()
+            .filter(|(_, w)| w.lease == host_lease)
+            .map(|(k, w)| (k.clone(), w.id.clone(), w.pid))
+            .collect();
+        self.stopped_since
+            .retain(|k, _| on_lease.iter().any(|(o, _, _)| o == k));
+        for (key, id, pid) in on_lease {
+            if !host::is_stopped(pid) {
+                self.stopped_since.remove(&key);
+                continue;
+            }
+            let since = self
+                .stopped_since
+                .entry(key.clone())
+                .or_insert_with(|| Some(Instant::now()));
+            let Some(at) = *since else { continue };
+            if at.elapsed() < Duration::from_millis(ttl_ms) {
+                continue;
+            }
+            *since = None;
+            warn!(group = %id.0, rank = id.1, pid, incarnation = %id.2, "rank process stopped for longer than the host lease's TTL; deleting its live key, as its own lease would have run out");
+            tokio::spawn(crate::host_lease::release_logged(
+                self.config.etcd.clone(),
+                rootrank_core::Keys::new(&self.config.prefix),
+                self.me.hostname.clone(),
+                id,
+                host_lease,
+            ));
+        }
+    }
+
+    /// Moves a watched rank onto the host lease, if there is one and it is not on it yet.
+    fn adopt(&mut self, key: &WatchKey) {
+        let (Some(host_lease), Some(w)) = (self.host_lease, self.watched.get(key)) else {
+            return;
+        };
+        if w.lease == host_lease.0 {
+            return;
+        }
+        let (group, rank, from) = (w.id.0.clone(), w.id.1, w.lease);
+        let etcd = self.config.etcd.clone();
+        let keys = rootrank_core::Keys::new(&self.config.prefix);
+        let host = self.me.hostname.clone();
+        tokio::spawn(async move {
+            let mut etcd = crate::certs::Etcd::new(etcd);
+            let mut backoff = rootrank_store::Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
+            for _ in 0..5 {
+                match crate::host_lease::adopt(&mut etcd, &keys, &host, &group, rank, from, host_lease).await {
+                    Ok(true) => {
+                        info!(%group, rank, host_lease = host_lease.0, "rank moved to the host lease");
+                        return;
+                    }
+                    Ok(false) => debug!(%group, rank, "rank's keys changed or moved meanwhile; reading again"),
+                    Err(e) => debug!(%group, rank, error = %e, "could not move the rank to the host lease yet"),
+                }
+                tokio::time::sleep(backoff.next_pause()).await;
+            }
+        });
     }
 
     fn on_exit(&mut self, exit: ProcessExit<WatchKey>) {
@@ -408,6 +546,9 @@ impl State {
             return;
         }
         self.reported.insert(w.id.clone());
+        if w.lease != w.id.2.lease_id() {
+            self.on_host_lease.insert(w.id.clone(), w.lease);
+        }
         let kernel = Arc::clone(&self.kernel);
         let tx = self.report_tx.clone();
         let grace = self.config.supervisor_grace;

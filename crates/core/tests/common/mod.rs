@@ -177,6 +177,18 @@ impl World {
         lease
     }
 
+    /// v5: node-watch adopts the rank: its live key moves to the host's lease, the record
+    /// naming the rank's own lease as its incarnation.
+    pub fn adopt(&mut self, g: &str, r: u32, host_lease: i64) {
+        let inc = self.incarnation(g, r);
+        let Some((value, _, _)) = self.kv.get(&key_live(g, r)).cloned() else {
+            return;
+        };
+        let mut v: serde_json::Value = serde_json::from_slice(&value).unwrap();
+        v["incarnation"] = json!(inc.to_string());
+        self.put_raw(&key_live(g, r), v.to_string().into_bytes(), host_lease);
+    }
+
     pub fn vanish(&mut self, g: &str, r: u32) {
         self.delete_raw(&key_live(g, r));
     }
