@@ -33,9 +33,15 @@ lint: deps
 # end-to-end tests on real etcd, real rank processes and real NIXL.
 # Last, the real-server tier (mk/python.mk): a real SGLang PD server with the wheel the
 # Python tests installed (~10 minutes here, ~7 GB of RAM).
+HOST_LEASE_TESTS = --test node_watch --test node_restarts --test node_run --test node_oom \
+	--test node_containers --test mass_death --test partitions --test security
+
 test: nixl lint
 	$(CARGO) build --workspace --bins
 	$(CARGO) test --workspace --no-fail-fast
+	# The node-watch tests again, every node-watch holding a host lease (v5): each rule they
+	# check must hold with the ranks on their host's lease too.
+	ROOTRANK_TEST_HOST_LEASE_TTL_MS=2000 $(CARGO) test --no-fail-fast $(HOST_LEASE_TESTS)
 	ROOTRANK_SKIP_WHEEL=1 ROOTRANK_BIN=$(ROOTRANK_DEBUG_BIN) scripts/test-server.sh
 
 # The whole story on one machine: private etcd, coordinator, simulated PD deployment with

@@ -41,6 +41,9 @@ pub struct FleetCfg {
     /// `GET /v1/events` readers connected through the failures (schedulers and dashboards
     /// following the fleet): each must receive every certified death.
     pub subscribers: usize,
+    /// v5: one lease per host of 8 ranks (`node-watch --host-lease-ttl-ms`), each live record
+    /// naming its rank's incarnation; `false`: a lease per rank, as without node-watch.
+    pub host_lease: bool,
 }
 
 impl FleetCfg {
@@ -57,6 +60,7 @@ impl FleetCfg {
             rack_hosts: 40,
             window: Duration::from_secs(15),
             subscribers: 1_000,
+            host_lease: false,
         }
     }
     pub fn smoke() -> Self {
@@ -67,6 +71,7 @@ impl FleetCfg {
             rack_hosts: 4,
             window: Duration::from_secs(2),
             subscribers: 20,
+            host_lease: false,
         }
     }
 }
@@ -237,8 +242,9 @@ async fn one(env: &Env, cfg: &FleetCfg, n: usize) -> anyhow::Result<Value> {
     let gids: Vec<GroupId> = (0..groups)
         .map(|g| GroupId::new(&state::group_name("fleet", g)))
         .collect::<Result<_, _>>()?;
+    let leases_n = if cfg.host_lease { n / HOST_RANKS } else { n };
     let ttl_s = match cfg.keepalive_budget {
-        Some(b) if b > 0.0 => cfg.ttl_s.max((3.0 * n as f64 / b).ceil() as i64),
+        Some(b) if b > 0.0 => cfg.ttl_s.max((3.0 * leases_n as f64 / b).ceil() as i64),
         _ => cfg.ttl_s,
     };
     let interval = Duration::from_millis(ttl_s as u64 * 1000 / 3);
@@ -280,16 +286,31 @@ async fn one(env: &Env, cfg: &FleetCfg, n: usize) -> anyhow::Result<Value> {
                         .saturating_sub(leader_changes_idle)
                 );
             }
-            let leases = state::grant_leases(&clients, chunk.len(), ttl_s, 64)
+            // With host leases, one per host: the chunk's ranks by host, in order (every
+            // failure set and the rest are whole hosts).
+            let hosts: Vec<String> = {
+                let mut h: Vec<String> = chunk.iter().map(|&(g, r)| host_of(g, r)).collect();
+                h.dedup();
+                h
+            };
+            let wanted = if cfg.host_lease { hosts.len() } else { chunk.len() };
+            let leases = state::grant_leases(&clients, wanted, ttl_s, 64)
                 .await
                 .with_context(|| format!("registering {n} ranks at a {ttl_s} s TTL: etcd could not keep up after {:.0} s; this is where this machine stops", t.elapsed().as_secs_f64()))?;
-            if leases.len() < chunk.len() {
+            if leases.len() < wanted {
                 bail!(
                     "etcd granted {} of {} leases: overloaded at this size",
                     leases.len(),
-                    chunk.len()
+                    wanted
                 );
             }
+            let lease_of = |i: usize, host: &str| -> i64 {
+                if cfg.host_lease {
+                    hosts.iter().position(|h| h == host).map_or(0, |p| leases[p])
+                } else {
+                    leases[i]
+                }
+            };
             chunk_keepalives.push(KeepAlives::start(
                 &clients,
                 &leases,
@@ -298,9 +319,20 @@ async fn one(env: &Env, cfg: &FleetCfg, n: usize) -> anyhow::Result<Value> {
             ));
             // The live key and its host copy, as an agent writes them.
             let mut puts = Vec::with_capacity(2 * chunk.len());
-            for (&(g, r), lease) in chunk.iter().zip(&leases) {
+            for (i, &(g, r)) in chunk.iter().enumerate() {
                 let host = host_of(g, r);
-                let value = state::live_value_on(&host, &gids[g], r, GROUP_SIZE as u32, ttl_ms)?;
+                let lease = &lease_of(i, &host);
+                let mut value = state::live_value_on(&host, &gids[g], r, GROUP_SIZE as u32, ttl_ms)?;
+                if cfg.host_lease {
+                    // As node-watch leaves it: the record names the rank's own incarnation (here
+                    // a unique number: the rank's own lease, granted and left to run out, costs
+                    // etcd nothing at steady state and is not simulated).
+                    let mut rec = rootrank_core::RankLive::parse(&value)?;
+                    rec.incarnation = Some(rootrank_core::Incarnation::new(
+                        1_000_000_000_000 + (g * GROUP_SIZE) as i64 + i64::from(r),
+                    )?);
+                    value = serde_json::to_vec(&rec)?;
+                }
                 if let Some(key) = keys.host_copy(&host, &gids[g], r, rootrank_core::HostCopyOf::Live) {
                     puts.push(Put {
                         key,
@@ -551,6 +583,9 @@ async fn one(env: &Env, cfg: &FleetCfg, n: usize) -> anyhow::Result<Value> {
                 "rooms_resolved_s": resolved_s,
                 "all_subscribers_have_every_death_s": events_s,
                 "bound_leases_only_s": ttl_s as f64 + 2.0,
+                // A key on a host lease is held TTL + 3 s before it is certified (it could be
+                // node-watch that stopped): a host that dies whole is down at 2 x TTL + 3 s.
+                "bound_host_lease_s": 2.0 * ttl_s as f64 + 3.0 + 2.0,
             }),
         );
     }
@@ -577,6 +612,8 @@ async fn one(env: &Env, cfg: &FleetCfg, n: usize) -> anyhow::Result<Value> {
     Ok(json!({
         "ranks": n,
         "groups": groups,
+        "liveness": if cfg.host_lease { "a lease per host of 8 ranks" } else { "a lease per rank" },
+        "leases": leases_n,
         "ttl_s": ttl_s,
         "register_s": register_s,
         "coordinator": {

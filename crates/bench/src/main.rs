@@ -146,6 +146,10 @@ enum Cmd {
         rack_hosts: usize,
         #[arg(long, default_value = "15s")]
         window: String,
+        /// One lease per host of 8 ranks, as `node-watch --host-lease-ttl-ms` holds (v5), instead
+        /// of one per rank.
+        #[arg(long)]
+        host_lease: bool,
         /// `GET /v1/events` readers connected through the failures.
         #[arg(long, default_value_t = 1000)]
         subscribers: usize,
@@ -507,6 +511,7 @@ fn suite_of(cmd: Cmd) -> anyhow::Result<(Suite, &'static str, PathBuf)> {
             keepalive_budget,
             rack_hosts,
             window,
+            host_lease,
             subscribers,
             out,
         } => (
@@ -518,6 +523,7 @@ fn suite_of(cmd: Cmd) -> anyhow::Result<(Suite, &'static str, PathBuf)> {
                     rack_hosts,
                     window: parse_duration(&window)?,
                     subscribers,
+                    host_lease,
                 }),
                 ..Suite::default()
             },

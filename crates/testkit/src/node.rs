@@ -24,11 +24,20 @@ impl NodeWatch {
         Self::start_with(endpoint, &[])
     }
 
+    /// With more flags. `ROOTRANK_TEST_HOST_LEASE_TTL_MS` set (as `make test` does for a
+    /// second run of the node-watch tests) adds `--host-lease-ttl-ms` with it, unless the
+    /// test gives one itself: every node-watch test then runs with the ranks on the host lease.
     pub fn start_with(endpoint: &str, extra: &[&str]) -> anyhow::Result<NodeWatch> {
         let dir = tempfile::tempdir()?;
+        let mut extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+        if let Some(ttl) = host_lease_mode() {
+            if !extra.iter().any(|a| a == "--host-lease-ttl-ms") {
+                extra.extend(["--host-lease-ttl-ms".to_string(), ttl.to_string()]);
+            }
+        }
         let mut w = NodeWatch {
             child: None,
-            extra: extra.iter().map(|s| s.to_string()).collect(),
+            extra,
             log: dir.path().join("node-watch.log"),
             endpoint: endpoint.to_string(),
             _dir: dir,
@@ -90,6 +99,12 @@ impl Drop for NodeWatch {
     fn drop(&mut self) {
         self.kill9();
     }
+}
+
+/// The host lease TTL every node-watch of this test run holds (`ROOTRANK_TEST_HOST_LEASE_TTL_MS`),
+/// or `None`: each rank keeps its own lease.
+pub fn host_lease_mode() -> Option<u64> {
+    std::env::var("ROOTRANK_TEST_HOST_LEASE_TTL_MS").ok()?.parse().ok()
 }
 
 pub async fn client(endpoint: &str) -> anyhow::Result<Client> {
