@@ -337,18 +337,7 @@ impl Liveness {
             }
         }
         self.refused_by = None;
-        let opts = PutOptions::new().with_lease(lease);
-        let attached: Vec<(String, Vec<u8>)> = self
-            .attachments
-            .lock()
-            .map(|a| a.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
-            .unwrap_or_default();
-        for (suffix, value) in attached {
-            let key = self.keys.rank_attachment(&self.config.group, self.config.rank, &suffix);
-            if let Err(e) = self.client.put(key, value, Some(opts.clone())).await {
-                warn!(error = %e, suffix, "agent could not re-attach a key to its new lease");
-            }
-        }
+        self.reattach(lease).await;
         self.shared.set_etcd_refused(None);
         self.shared.set_incarnation(lease);
         info!(incarnation = lease, ttl_s = self.ttl, "rank registered");
@@ -391,8 +380,8 @@ impl Liveness {
         }
     }
 
-    /// Puts the attachments on `lease` (node-watch moves those it saw; this covers one put
-    /// meanwhile).
+    /// Puts the attachments on `lease`: a new incarnation's, or the host's (node-watch moves
+    /// those it saw; this covers one put meanwhile).
     async fn reattach(&mut self, lease: i64) {
         let opts = PutOptions::new().with_lease(lease);
         let attached: Vec<(String, Vec<u8>)> = self
