@@ -45,6 +45,39 @@ async fn wait_adopted(ep: &str, group: &str, rank: u32, incarnation: &str) -> an
     .await
 }
 
+/// A host: etcd, a coordinator, node-watch on a host lease, and `size` ranks of `group`, each
+/// watched and on the host lease; with the host lease each rides on.
+struct Host {
+    _etcd: Etcd,
+    ep: String,
+    coord: Coordinator,
+    watch: NodeWatch,
+    ranks: Vec<Rank>,
+    host_leases: Vec<i64>,
+}
+
+async fn start_host(group: &str, size: u32) -> anyhow::Result<Host> {
+    let etcd = Etcd::start()?;
+    let ep = etcd.endpoint();
+    let coord = Coordinator::start(&ep, &[]).await?;
+    let watch = NodeWatch::start_with(&ep, &["--host-lease-ttl-ms", HOST_TTL])?;
+    let (mut ranks, mut host_leases) = (Vec::new(), Vec::new());
+    for r in 0..size {
+        let rank = Rank::start(&ep, group, r, size, OWN_TTL_MS)?;
+        watch.wait_watching(group, r, rank.pid).await?;
+        host_leases.push(wait_adopted(&ep, group, r, &rank.incarnation).await?);
+        ranks.push(rank);
+    }
+    Ok(Host {
+        _etcd: etcd,
+        ep,
+        coord,
+        watch,
+        ranks,
+        host_leases,
+    })
+}
+
 async fn rank_states(coord: &Coordinator, group: &str) -> anyhow::Result<Vec<(String, String)>> {
     let (_, g) = coord.get(&format!("/v1/groups/{group}")).await?;
     Ok(g["ranks"]
@@ -72,19 +105,16 @@ fn signal(pid: u32, sig: &str) -> anyhow::Result<()> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ranks_ride_on_the_host_lease_and_a_killed_one_is_certified_and_named() -> anyhow::Result<()> {
-    let etcd = Etcd::start()?;
-    let ep = etcd.endpoint();
-    let coord = Coordinator::start(&ep, &[]).await?;
-    let watch = NodeWatch::start_with(&ep, &["--host-lease-ttl-ms", HOST_TTL])?;
-    let mut ranks = Vec::new();
-    for r in 0..3 {
-        ranks.push(Rank::start(&ep, "prefill-0", r, 3, OWN_TTL_MS)?);
-    }
-    let mut host_leases = Vec::new();
-    for (r, rank) in ranks.iter().enumerate() {
-        watch.wait_watching("prefill-0", r as u32, rank.pid).await?;
-        host_leases.push(wait_adopted(&ep, "prefill-0", r as u32, &rank.incarnation).await?);
-    }
+    let Host {
+        ep,
+        coord,
+        watch,
+        mut ranks,
+        mut host_leases,
+        // Bound, so the etcd process lives as long as the test.
+        _etcd,
+        ..
+    } = start_host("prefill-0", 3).await?;
     host_leases.dedup();
     assert_eq!(host_leases.len(), 1, "one lease for the host: {host_leases:?}");
 
@@ -147,17 +177,15 @@ async fn ranks_ride_on_the_host_lease_and_a_killed_one_is_certified_and_named() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn node_watch_stopping_is_no_death_its_ranks_register_again_on_their_own() -> anyhow::Result<()> {
-    let etcd = Etcd::start()?;
-    let ep = etcd.endpoint();
-    let coord = Coordinator::start(&ep, &[]).await?;
-    let mut watch = NodeWatch::start_with(&ep, &["--host-lease-ttl-ms", HOST_TTL])?;
-    let mut ranks = Vec::new();
-    for r in 0..2 {
-        let rank = Rank::start(&ep, "decode-0", r, 2, OWN_TTL_MS)?;
-        watch.wait_watching("decode-0", r, rank.pid).await?;
-        wait_adopted(&ep, "decode-0", r, &rank.incarnation).await?;
-        ranks.push(rank);
-    }
+    let Host {
+        ep,
+        coord,
+        mut watch,
+        ranks,
+        // Bound, so the etcd process lives as long as the test.
+        _etcd,
+        ..
+    } = start_host("decode-0", 2).await?;
     watch.kill9();
     // The host lease runs out (2 s); each agent sees its key go and registers again.
     let c = client(&ep).await?;
@@ -215,17 +243,15 @@ async fn node_watch_stopping_is_no_death_its_ranks_register_again_on_their_own()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_host_that_dies_whole_takes_its_ranks_and_a_stopped_rank_is_found() -> anyhow::Result<()> {
-    let etcd = Etcd::start()?;
-    let ep = etcd.endpoint();
-    let coord = Coordinator::start(&ep, &[]).await?;
-    let mut watch = NodeWatch::start_with(&ep, &["--host-lease-ttl-ms", HOST_TTL])?;
-    let mut ranks = Vec::new();
-    for r in 0..3 {
-        let rank = Rank::start(&ep, "prefill-1", r, 3, OWN_TTL_MS)?;
-        watch.wait_watching("prefill-1", r, rank.pid).await?;
-        wait_adopted(&ep, "prefill-1", r, &rank.incarnation).await?;
-        ranks.push(rank);
-    }
+    let Host {
+        ep,
+        coord,
+        mut watch,
+        ranks,
+        // Bound, so the etcd process lives as long as the test.
+        _etcd,
+        ..
+    } = start_host("prefill-1", 3).await?;
     // A rank frozen while node-watch runs: its own lease would run out after its TTL; on the
     // host lease, node-watch deletes its live key after the host TTL, and the coordinator
     // certifies it once it is clear the process did not register again.

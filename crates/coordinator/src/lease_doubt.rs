@@ -139,20 +139,21 @@ impl LeaseDoubt {
                 return true;
             }
             if let Some(mut down) = h.vanished.clone().into_coordinator_certificate() {
-                let host_lease = *on_host_lease;
-                if let Some(l) = again.as_ref().filter(|_| host_lease) {
+                if let Some(l) = again {
+                    let (why, on_its_own) = if *on_host_lease {
+                        (
+                            "its live key rode on its host's lease, which ran out (the host's node-watch stopped or lost etcd)".to_string(),
+                            " on its own lease",
+                        )
+                    } else {
+                        (
+                            format!("its lease ran out after etcd was silent for {silence_s:.1} s (this coordinator heard nothing from it)"),
+                            "",
+                        )
+                    };
                     down.reason = Reason::well_known(reasons::LEASE_LOST);
                     down.detail = format!(
-                        "its live key rode on its host's lease, which ran out (the host's node-watch stopped or lost etcd); the same process (pid {}{}) registered again on its own lease as incarnation {} at revision {}: not a crash",
-                        l.pid,
-                        l.host.as_ref().map(|h| format!(" on {h}")).unwrap_or_default(),
-                        l.incarnation,
-                        l.revision,
-                    );
-                } else if let Some(l) = again {
-                    down.reason = Reason::well_known(reasons::LEASE_LOST);
-                    down.detail = format!(
-                        "its lease ran out after etcd was silent for {silence_s:.1} s (this coordinator heard nothing from it); the same process (pid {}{}) registered again as incarnation {} at revision {}: not a crash",
+                        "{why}; the same process (pid {}{}) registered again{on_its_own} as incarnation {} at revision {}: not a crash",
                         l.pid,
                         l.host.map(|h| format!(" on {h}")).unwrap_or_default(),
                         l.incarnation,
@@ -228,17 +229,18 @@ mod tests {
 
     #[test]
     fn a_key_on_its_hosts_lease_is_held_with_etcd_heard_throughout() {
+        let on_host = |mut o: Output| {
+            if let Output::LiveKeyVanished { on_host_lease, .. } = &mut o {
+                *on_host_lease = true;
+            }
+            o
+        };
         let mut d = LeaseDoubt::new();
-        let mut on_host = vanished(0, 7, 5000);
-        if let Output::LiveKeyVanished { on_host_lease, .. } = &mut on_host {
-            *on_host_lease = true;
-        }
-        let mut dead_host = vanished(1, 8, 5000);
-        if let Output::LiveKeyVanished { on_host_lease, .. } = &mut dead_host {
-            *on_host_lease = true;
-        }
-        assert!(d.vanished(on_host, 1_000).is_none(), "node-watch may only have stopped");
-        assert!(d.vanished(dead_host, 1_000).is_none());
+        assert!(
+            d.vanished(on_host(vanished(0, 7, 5000)), 1_000).is_none(),
+            "node-watch may only have stopped"
+        );
+        assert!(d.vanished(on_host(vanished(1, 8, 5000)), 1_000).is_none());
         assert!(!d.in_doubt(1_000), "a host lease opens no etcd doubt for other keys");
         assert!(d.vanished(vanished(2, 9, 5000), 1_000).is_some());
         // Rank 0's process registered again on its own lease; rank 1's host is gone.

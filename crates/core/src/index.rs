@@ -711,10 +711,6 @@ impl Index {
                     "live",
                     RecordError::KeyMismatch(format!("value names {}/{}", rec.group, rec.rank)).to_string(),
                 )),
-                Ok(_) if lease <= 0 => out.push(invalid(
-                    "live",
-                    "live key without a lease: a live key must ride on the rank's liveness lease".into(),
-                )),
                 Ok(rec) => match rec.incarnation_on(lease) {
                     Err(_) => out.push(invalid(
                         "live",
@@ -1263,8 +1259,6 @@ impl Index {
         }
     }
 
-    /// A stall record of a live incarnation. One of an incarnation that is dead, or not the
-    /// rank's live one, describes nothing current and is ignored (its lease takes it soon).
     /// Whether `inc` is the live incarnation of (group, rank) and its key rides on `lease`.
     fn rides_on(&self, group: &GroupId, rank: Rank, inc: Incarnation, lease: i64) -> bool {
         self.ranks
@@ -1273,6 +1267,8 @@ impl Index {
             .is_some_and(|l| l.incarnation == inc && l.lease == lease)
     }
 
+    /// A stall record of a live incarnation. One of an incarnation that is dead, or not the
+    /// rank's live one, describes nothing current and is ignored (its lease takes it soon).
     fn put_stall(
         &mut self,
         group: GroupId,

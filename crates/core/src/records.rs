@@ -160,12 +160,10 @@ pub struct RankLive {
 
 impl RankLive {
     /// The incarnation of a live key that rides on `lease`: the record's own word when its
-    /// host adopted it, else the lease.
+    /// host adopted it, else the lease. A key on no lease is no incarnation in either mode.
     pub fn incarnation_on(&self, lease: i64) -> Result<Incarnation, IdError> {
-        match self.incarnation {
-            Some(inc) => Ok(inc),
-            None => Incarnation::new(lease),
-        }
+        let own = Incarnation::new(lease)?;
+        Ok(self.incarnation.unwrap_or(own))
     }
 
     /// Whether the key rides on a lease that is not its incarnation's: its host's.

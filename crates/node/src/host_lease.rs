@@ -123,6 +123,16 @@ async fn keep_alive(client: &mut Client, lease: i64, ttl: Duration, interval: Du
     }
 }
 
+/// An etcd request within `REQUEST_TIMEOUT`, its error as text for the caller's log.
+async fn answered<T>(
+    request: impl std::future::Future<Output = Result<T, rootrank_store::etcd_client::Error>>,
+) -> Result<T, String> {
+    match tokio::time::timeout(rootrank_store::REQUEST_TIMEOUT, request).await {
+        Err(_) => Err("etcd did not answer in time".into()),
+        Ok(r) => r.map_err(|e| e.to_string()),
+    }
+}
+
 /// The keys of one rank node-watch moves or deletes: under its group, and its host copies.
 fn rank_prefixes(keys: &Keys, host: &str, group: &GroupId, rank: Rank) -> Vec<String> {
     let mut p = vec![keys.rank_keys(group, rank)];
@@ -134,13 +144,7 @@ fn rank_prefixes(keys: &Keys, host: &str, group: &GroupId, rank: Rank) -> Vec<St
 async fn on_lease(client: &mut Client, prefixes: &[String], lease: i64) -> Result<Vec<(String, Vec<u8>, i64)>, String> {
     let mut out = Vec::new();
     for p in prefixes {
-        let resp = tokio::time::timeout(
-            rootrank_store::REQUEST_TIMEOUT,
-            client.get(p.as_str(), Some(GetOptions::new().with_prefix())),
-        )
-        .await
-        .map_err(|_| "etcd did not answer in time".to_string())?
-        .map_err(|e| e.to_string())?;
+        let resp = answered(client.get(p.as_str(), Some(GetOptions::new().with_prefix()))).await?;
         for kv in resp.kvs().iter().filter(|kv| kv.lease() == lease) {
             out.push((
                 String::from_utf8_lossy(kv.key()).into_owned(),
@@ -191,13 +195,7 @@ pub(crate) async fn adopt(
         puts.push(TxnOp::put(key, value, Some(opts.clone())));
     }
     let moved = puts.len();
-    let resp = tokio::time::timeout(
-        rootrank_store::REQUEST_TIMEOUT,
-        client.txn(Txn::new().when(compares).and_then(puts)),
-    )
-    .await
-    .map_err(|_| "etcd did not answer in time".to_string())?
-    .map_err(|e| e.to_string())?;
+    let resp = answered(client.txn(Txn::new().when(compares).and_then(puts))).await?;
     if resp.succeeded() {
         debug!(%group, rank, moved, host_lease, "rank's keys moved to the host lease");
     }
@@ -231,13 +229,7 @@ pub(crate) async fn release(
         .collect();
     let deletes: Vec<TxnOp> = found.iter().map(|(k, _, _)| TxnOp::delete(k.as_str(), None)).collect();
     let n = deletes.len();
-    let resp = tokio::time::timeout(
-        rootrank_store::REQUEST_TIMEOUT,
-        client.txn(Txn::new().when(compares).and_then(deletes)),
-    )
-    .await
-    .map_err(|_| "etcd did not answer in time".to_string())?
-    .map_err(|e| e.to_string())?;
+    let resp = answered(client.txn(Txn::new().when(compares).and_then(deletes))).await?;
     Ok(if resp.succeeded() { n } else { 0 })
 }
 

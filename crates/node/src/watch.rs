@@ -436,15 +436,20 @@ impl State {
     /// lease has its keys deleted from it, since no lease of its own runs out for it.
     fn on_written(&mut self, id: IncarnationId) {
         if let Some(lease) = self.on_host_lease.remove(&id) {
-            tokio::spawn(crate::host_lease::release_logged(
-                self.config.etcd.clone(),
-                rootrank_core::Keys::new(&self.config.prefix),
-                self.me.hostname.clone(),
-                id.clone(),
-                lease,
-            ));
+            self.release(id.clone(), lease);
         }
         self.certified.insert(id);
+    }
+
+    /// Deletes the keys of the rank incarnation `id` from the host lease `lease`, on a task.
+    fn release(&self, id: IncarnationId, lease: i64) {
+        tokio::spawn(crate::host_lease::release_logged(
+            self.config.etcd.clone(),
+            rootrank_core::Keys::new(&self.config.prefix),
+            self.me.hostname.clone(),
+            id,
+            lease,
+        ));
     }
 
     fn on_host_lease(&mut self, l: crate::host_lease::HostLease) {
@@ -492,13 +497,7 @@ impl State {
             }
             *since = None;
             warn!(group = %id.0, rank = id.1, pid, incarnation = %id.2, "rank process stopped for longer than the host lease's TTL; deleting its live key, as its own lease would have run out");
-            tokio::spawn(crate::host_lease::release_logged(
-                self.config.etcd.clone(),
-                rootrank_core::Keys::new(&self.config.prefix),
-                self.me.hostname.clone(),
-                id,
-                host_lease,
-            ));
+            self.release(id, host_lease);
         }
     }
 
