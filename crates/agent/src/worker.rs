@@ -504,10 +504,11 @@ async fn stall_watch(config: AgentConfig, mut client: Client, shared: Arc<Shared
     let copy = host_copy(&config, HostCopyOf::Stall);
     let mut detector = crate::stall::StallDetector::new(config.stall_after);
     let mono_ms = crate::stall::monotonic_ms;
-    // (incarnation, since_ms, stalled_ms) of the record to keep in etcd; the incarnation it is
-    // written under (0: not written yet).
+    // (since_ms, stalled_ms) of the record to keep in etcd; the incarnation it names and the
+    // lease it rides on, once written: both change it (v5: a new incarnation may ride on the
+    // same host lease as the one before).
     let mut want: Option<(u64, u64)> = None;
-    let mut written: i64 = 0;
+    let mut written: Option<(i64, i64)> = None;
     loop {
         let now = mono_ms();
         let wake = detector.poll_timeout(now).saturating_sub(now);
@@ -525,11 +526,11 @@ async fn stall_watch(config: AgentConfig, mut client: Client, shared: Arc<Shared
                     "this rank's loop has not advanced: writing its stall record"
                 );
                 want = Some((since_ms, stalled_ms));
-                written = 0;
+                written = None;
             }
             Some(StallAction::Resumed) => {
                 want = None;
-                if written != 0 {
+                if written.is_some() {
                     info!("this rank's loop advances again: deleting its stall record");
                     let mut ops = vec![TxnOp::delete(key.as_str(), None)];
                     ops.extend(copy.iter().map(|c| TxnOp::delete(c.as_str(), None)));
@@ -538,7 +539,7 @@ async fn stall_watch(config: AgentConfig, mut client: Client, shared: Arc<Shared
                         warn!(error = %e, "could not delete this rank's stall record");
                     }
                 }
-                written = 0;
+                written = None;
             }
             None => {}
         }
@@ -550,7 +551,7 @@ async fn stall_watch(config: AgentConfig, mut client: Client, shared: Arc<Shared
         let Ok(inc) = Incarnation::new(incarnation) else {
             continue;
         };
-        if written == lease {
+        if written == Some((incarnation, lease)) {
             continue;
         }
         // Wall-clock time of the last progress, for people (ordering is by etcd revision).
@@ -575,7 +576,7 @@ async fn stall_watch(config: AgentConfig, mut client: Client, shared: Arc<Shared
                 .map(|c| TxnOp::put(c.as_str(), value.clone(), Some(opts.clone()))),
         );
         match tokio::time::timeout(rootrank_store::REQUEST_TIMEOUT, client.txn(Txn::new().and_then(ops))).await {
-            Ok(Ok(_)) => written = lease,
+            Ok(Ok(_)) => written = Some((incarnation, lease)),
             other => debug!(?other, "stall record not written yet; retrying"),
         }
     }
