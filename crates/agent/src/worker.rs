@@ -450,6 +450,8 @@ impl Liveness {
                         last_ok = Instant::now();
                         self.backoff.reset();
                     }
+                    // A clean shutdown revoked it: nothing was lost, so nothing is said.
+                    Ok(Ok(Some(_))) if self.shared.stopping.load(Ordering::SeqCst) => return Next::Stop,
                     Ok(Ok(Some(_))) => {
                         warn!(incarnation = lease, "liveness lease expired (etcd unreachable for longer than the TTL); registering a new incarnation");
                         return Next::Go(None);

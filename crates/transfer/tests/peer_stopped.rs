@@ -74,13 +74,17 @@ fn sigstop_of_receiver_times_out_without_hanging() {
     assert_eq!(err.reason(), "transfer_timeout");
     assert_eq!(err.nixl_status(), None);
     assert!(took >= timeout, "returned before the timeout: {took:?}");
-    assert!(took < timeout + Duration::from_secs(1), "overran the timeout: {took:?}");
+    // A hang guard, not a speed check: a shared CI machine may be slow to schedule us.
+    assert!(
+        took < timeout + Duration::from_secs(10),
+        "hung past the timeout: {took:?}"
+    );
 
     // Small writes time out too (none of them may hang).
     let t = Instant::now();
     let small = agent.write(&name, src, 0, &remote, 0, 4096, b"small-while-stopped", timeout);
     eprintln!("4 KiB write to stopped peer: {small:?} after {:?}", t.elapsed());
-    assert!(t.elapsed() < timeout + Duration::from_secs(1));
+    assert!(t.elapsed() < timeout + Duration::from_secs(10), "a small write hung");
     // The timed-out WRITEs are kept, not released, while NIXL may still read their buffer.
     assert!(
         agent.abandoned_transfers() >= 1,
