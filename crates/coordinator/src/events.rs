@@ -289,7 +289,7 @@ fn encode_rank(
         agent: incarnation.and_then(|i| index.rank_nixl_agent(group, rank, i)),
         certified: match state {
             RankStateKind::Down | RankStateKind::Shutdown => {
-                incarnation.and_then(|i| index.death_certified(group, rank, i))
+                incarnation.and_then(|i| index.death_certified(group, rank, i, revision))
             }
             _ => None,
         },

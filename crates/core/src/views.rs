@@ -543,14 +543,18 @@ impl Index {
             .and_then(|h| h.record.nixl_agent.as_deref())
     }
 
-    /// v4: whether an incarnation's death is on record as a down certificate (`None`: no
-    /// death known). A vanished live key alone is not: after an etcd stall it may still turn
-    /// out `lease_lost` (the process lived on), so a consumer that acts on a death waits for
-    /// `true` (the events stream sends the rank again when its certificate lands).
-    pub fn death_certified(&self, group: &GroupId, rank: Rank, incarnation: Incarnation) -> Option<bool> {
+    /// v4: whether an incarnation's death was on record as a down certificate at revision
+    /// `as_of` (`None`: no death known). A vanished live key alone is not: after an etcd
+    /// stall it may still turn out `lease_lost` (the process lived on), so a consumer that
+    /// acts on a death waits for `true` (the events stream sends the rank again when its
+    /// certificate lands). `as_of` is the revision an event speaks for: a vanish and its
+    /// `lease_lost` certificate may arrive in one watch batch (a replica catching up after a
+    /// stall, the other replica's certificate already written), and the vanish's event must
+    /// not say "certified" of what was only certified later, and not as that death.
+    pub fn death_certified(&self, group: &GroupId, rank: Rank, incarnation: Incarnation, as_of: i64) -> Option<bool> {
         self.deaths
             .get(&(group.clone(), rank, incarnation))
-            .map(|d| d.has_certificate)
+            .map(|d| d.has_certificate && d.certified_revision > 0 && d.certified_revision <= as_of)
     }
 
     /// The role its ranks registered with (`prefill`, `decode`), when they said.

@@ -1031,7 +1031,7 @@ fn v3_the_first_stall_by_revision_is_the_suspect_and_the_others_wait() {
     assert_eq!(downs, 2, "{:?}", w.outputs);
     assert_eq!(
         w.index
-            .death_certified(&g, 0, rootrank_core::Incarnation::new(inc0).unwrap()),
+            .death_certified(&g, 0, rootrank_core::Incarnation::new(inc0).unwrap(), w.rev),
         Some(true)
     );
     assert_eq!(w.index.first_stall(&g), Some(1));
@@ -1330,7 +1330,24 @@ fn v4_a_lost_lease_is_no_death_but_a_rank_that_died_in_the_stall_still_is() {
     assert_eq!(w.index.lived_on(&g, 3, rank3), None, "rank 3 did not come back");
     // What the coordinator writes then: lease_lost for 0-2, lease_expired for 3 (later: its
     // hold runs out).
+    let vanished_at: Vec<i64> = w.outputs[from..]
+        .iter()
+        .filter_map(|o| match o {
+            Output::LiveKeyVanished { revision, .. } => Some(*revision),
+            _ => None,
+        })
+        .collect();
     certify_vanished(&mut w, from, &[0, 1, 2], "lease_lost");
+    // What the events stream says of each vanish, at the vanish's revision (a replica that
+    // applies the vanish and the other replica's certificate in one batch): not certified.
+    for r in 0..3 {
+        let inc = rootrank_core::Incarnation::new(old[r as usize]).unwrap();
+        assert_eq!(
+            w.index.death_certified(&g, r, inc, vanished_at[r as usize]),
+            Some(false)
+        );
+        assert_eq!(w.index.death_certified(&g, r, inc, w.rev), Some(true));
+    }
     let v = w.verdict(71, None);
     assert_eq!(v.status, Status::Pending, "rank 3 is not certified yet: {}", v.explain);
     certify_vanished(&mut w, from, &[3], "lease_expired");
