@@ -583,9 +583,10 @@ async fn one(env: &Env, cfg: &FleetCfg, n: usize) -> anyhow::Result<Value> {
                 "rooms_resolved_s": resolved_s,
                 "all_subscribers_have_every_death_s": events_s,
                 "bound_leases_only_s": ttl_s as f64 + 2.0,
-                // A key on a host lease is held TTL + 3 s before it is certified (it could be
-                // node-watch that stopped): a host that dies whole is down at 2 x TTL + 3 s.
-                "bound_host_lease_s": 2.0 * ttl_s as f64 + 3.0 + 2.0,
+                // A key on a host lease is held 2 s (the coordinator's HOST_GONE_MS) before it
+                // is certified, in case its node-watch only stopped: a host that dies whole is
+                // certified TTL + etcd's lessor (<= 0.5 s) + 2 s after its last keepalive.
+                "bound_host_lease_s": ttl_s as f64 + 2.5,
             }),
         );
     }
