@@ -250,6 +250,16 @@ impl LeaseDoubt {
 mod tests {
     use super::*;
 
+    /// Rank 0's process, registered again as incarnation `inc` on `host`.
+    fn back_as(inc: i64, host: &str) -> LivedOn {
+        LivedOn {
+            incarnation: Incarnation::new(inc).unwrap(),
+            revision: 20,
+            pid: 40,
+            host: Some(host.into()),
+        }
+    }
+
     fn vanished(rank: Rank, inc: i64, ttl: u64) -> Output {
         Output::LiveKeyVanished {
             group: GroupId::new("g").unwrap(),
@@ -284,14 +294,7 @@ mod tests {
         assert!(d.vanished(vanished(1, 8, 5000), 11_300).is_none());
         assert_eq!(d.poll_timeout(), Some(11_200 + 5000 + REREGISTER_MS));
         // Rank 0's process registered again; rank 1's did not (yet).
-        let lived_on = |_: &GroupId, rank: Rank, _: Incarnation| {
-            (rank == 0).then(|| LivedOn {
-                incarnation: Incarnation::new(9).unwrap(),
-                revision: 20,
-                pid: 40,
-                host: Some("h".into()),
-            })
-        };
+        let lived_on = |_: &GroupId, rank: Rank, _: Incarnation| (rank == 0).then(|| back_as(9, "h"));
         let now = d.settle(12_000, lived_on);
         assert_eq!(now.len(), 1);
         assert_eq!(now[0].rank, 0);
@@ -316,14 +319,7 @@ mod tests {
         assert!(!d.in_doubt(1_000), "a host lease opens no etcd doubt for other keys");
         assert!(d.vanished(vanished(2, 9, 5000), 1_000).is_some());
         // Rank 0's process registered again on its own lease; rank 1's host is gone.
-        let lived_on = |_: &GroupId, rank: Rank, _: Incarnation| {
-            (rank == 0).then(|| LivedOn {
-                incarnation: Incarnation::new(11).unwrap(),
-                revision: 20,
-                pid: 40,
-                host: Some("h".into()),
-            })
-        };
+        let lived_on = |_: &GroupId, rank: Rank, _: Incarnation| (rank == 0).then(|| back_as(11, "h"));
         let now = d.settle(1_200, lived_on);
         assert_eq!(now.len(), 1);
         assert_eq!(now[0].reason.as_str(), "lease_lost");
@@ -376,14 +372,7 @@ mod tests {
         // (its registration may queue behind a fleet's), and rank 2 vanishes a little later.
         assert!(d.vanished(on_host(vanished(0, 7, 5_000)), 1_000).is_none());
         assert!(d.vanished(on_host(vanished(1, 8, 5_000)), 1_000).is_none());
-        let back = |_: &GroupId, rank: Rank, _: Incarnation| {
-            (rank == 0).then(|| LivedOn {
-                incarnation: Incarnation::new(11).unwrap(),
-                revision: 20,
-                pid: 40,
-                host: Some("h1".into()),
-            })
-        };
+        let back = |_: &GroupId, rank: Rank, _: Incarnation| (rank == 0).then(|| back_as(11, "h1"));
         assert_eq!(d.settle(1_100, back).len(), 1, "rank 0: lease_lost");
         assert!(d.vanished(on_host(vanished(2, 9, 5_000)), 1_500).is_none());
         let full = 5_000 + REREGISTER_MS;
