@@ -44,6 +44,10 @@ pub struct FleetCfg {
     /// v5: one lease per host of 8 ranks (`node-watch --host-lease-ttl-ms`), each live record
     /// naming its rank's incarnation; `false`: a lease per rank, as without node-watch.
     pub host_lease: bool,
+    /// After the failures, failed rooms (one record each) written over the fleet's groups,
+    /// then a second coordinator started on it all: the goal's "100,000 ranks and 1,000,000
+    /// rooms" start-up and RSS (0: skipped).
+    pub rooms: usize,
 }
 
 impl FleetCfg {
@@ -61,6 +65,7 @@ impl FleetCfg {
             window: Duration::from_secs(15),
             subscribers: 1_000,
             host_lease: false,
+            rooms: 0,
         }
     }
     pub fn smoke() -> Self {
@@ -72,6 +77,7 @@ impl FleetCfg {
             window: Duration::from_secs(2),
             subscribers: 20,
             host_lease: false,
+            rooms: 0,
         }
     }
 }
@@ -591,6 +597,11 @@ async fn one(env: &Env, cfg: &FleetCfg, n: usize) -> anyhow::Result<Value> {
         );
     }
     let (rss_after, rss_peak) = rss_bytes(coordinator.pid)?;
+    let with_rooms = if cfg.rooms > 0 {
+        with_rooms(env, &endpoints, &clients, &keys, &gids, cfg.rooms).await?
+    } else {
+        Value::Null
+    };
     for k in steady_keepalives {
         k.stop();
     }
@@ -625,12 +636,40 @@ async fn one(env: &Env, cfg: &FleetCfg, n: usize) -> anyhow::Result<Value> {
         },
         "steady": steady,
         "failures": Value::Object(failures),
+        "with_rooms": with_rooms,
         "node_watch_events": watch_events,
         "events": {
             "subscribers": subscribed,
             "certified_downs_per_subscriber": {"min": fewest, "max": most_downs},
             "deaths": dead,
         },
+    }))
+}
+
+/// `rooms` failed rooms (one local record each, on a retention lease) written over the fleet's
+/// groups while its survivors stay alive, then a second coordinator started on it all: spawn
+/// to `/readyz` and its RSS once ready (what a replica's failover costs at that size).
+async fn with_rooms(
+    env: &Env,
+    endpoints: &[String],
+    clients: &[Client],
+    keys: &Keys,
+    gids: &[GroupId],
+    rooms: usize,
+) -> anyhow::Result<Value> {
+    let t = Instant::now();
+    let (_, records) = state::write_rooms(clients, keys, gids, rooms, 1, 29).await?;
+    let write_s = t.elapsed().as_secs_f64();
+    let second = Coordinator::start(env, &endpoints.join(","), PREFIX, STEP).await?;
+    let (rss, _) = rss_bytes(second.pid)?;
+    let indexed = crate::scale::metric(&second.url, "rootrank_index_rooms").await;
+    Ok(json!({
+        "rooms": rooms,
+        "records": records,
+        "write_s": write_s,
+        "start_to_ready_s": second.start_to_ready.as_secs_f64(),
+        "rss_bytes": rss,
+        "rooms_indexed": indexed,
     }))
 }
 

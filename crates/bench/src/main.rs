@@ -153,6 +153,10 @@ enum Cmd {
         /// `GET /v1/events` readers connected through the failures.
         #[arg(long, default_value_t = 1000)]
         subscribers: usize,
+        /// After the failures, this many failed rooms (one record each) are written and a second
+        /// coordinator is started on the fleet with them: its start-up and RSS (0: skipped).
+        #[arg(long, default_value_t = 0)]
+        rooms: usize,
         #[command(flatten)]
         out: Out,
     },
@@ -513,6 +517,7 @@ fn suite_of(cmd: Cmd) -> anyhow::Result<(Suite, &'static str, PathBuf)> {
             window,
             host_lease,
             subscribers,
+            rooms,
             out,
         } => (
             Suite {
@@ -524,6 +529,7 @@ fn suite_of(cmd: Cmd) -> anyhow::Result<(Suite, &'static str, PathBuf)> {
                     window: parse_duration(&window)?,
                     subscribers,
                     host_lease,
+                    rooms,
                 }),
                 ..Suite::default()
             },
