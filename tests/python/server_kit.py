@@ -124,16 +124,24 @@ def generate(router: str, prompt: str, max_new_tokens: int = 8, timeout: float =
 
 class Stack:
     """prefill (TP=2) + decode (TP=1) + router, each in its own process group, at nice 10 (idle
-    SGLang schedulers busy-poll; on 2 cores they would starve etcd and the coordinator)."""
+    SGLang schedulers busy-poll; on 2 cores they would starve etcd and the coordinator).
 
-    def __init__(self, tmp: Path, name: str, env: dict):
+    `second_prefill`: a second prefill instance (TP=1, "prefill-b") behind the same router
+    (issue 30's survival scenario). `retries`: the router's own default (retries on) instead of
+    `--disable-retries` (one request, one room, which the tier's assertions rely on)."""
+
+    def __init__(self, tmp: Path, name: str, env: dict, second_prefill: bool = False, retries: bool = False,
+                 router_args: tuple = ()):
         self.tmp, self.name = tmp, name
+        self.second_prefill, self.retries, self.router_args = second_prefill, retries, list(router_args)
         self.procs: dict[str, subprocess.Popen] = {}
         taken: set = set()
         self.prefill_port, self.bootstrap_port, self.prefill_nccl = (free_port(taken) for _ in range(3))
         self.decode_port, self.decode_nccl = free_port(taken), free_port(taken)
         self.router_port, self.router_metrics = free_port(taken), free_port(taken)
+        self.prefill_b_port, self.bootstrap_b_port, self.prefill_b_nccl = (free_port(taken) for _ in range(3))
         self.prefill_url = f"http://127.0.0.1:{self.prefill_port}"
+        self.prefill_b_url = f"http://127.0.0.1:{self.prefill_b_port}"
         self.decode_url = f"http://127.0.0.1:{self.decode_port}"
         self.router = f"http://127.0.0.1:{self.router_port}"
         base = {k: v for k, v in os.environ.items() if not k.startswith(("ROOTRANK_", "SGLANG_"))}
@@ -184,21 +192,33 @@ class Stack:
                                 "--port", str(self.prefill_port), "--nccl-port", str(self.prefill_nccl),
                                 "--disaggregation-bootstrap-port", str(self.bootstrap_port)],
                     {**self.env, "SGLANG_CPU_OMP_THREADS_BIND": "0|1"})
+        if self.second_prefill:
+            self._spawn("prefill-b", [*common, "--disaggregation-mode", "prefill", "--tp-size", "1",
+                                      "--port", str(self.prefill_b_port), "--nccl-port", str(self.prefill_b_nccl),
+                                      "--disaggregation-bootstrap-port", str(self.bootstrap_b_port)],
+                        {**self.env, "SGLANG_CPU_OMP_THREADS_BIND": "0"})
         self._spawn("decode", [*common, "--disaggregation-mode", "decode", "--tp-size", "1",
                                "--port", str(self.decode_port), "--nccl-port", str(self.decode_nccl),
                                # the default host pool calls torch.cuda.cudart()
                                "--disaggregation-decode-retraction-backup", "cpu_tensor"],
                     {**self.env, "SGLANG_CPU_OMP_THREADS_BIND": "1"})
         # The router starts with them: it registers its workers once they answer.
+        prefills = ["--prefill", self.prefill_url, str(self.bootstrap_port)]
+        if self.second_prefill:
+            prefills += ["--prefill", self.prefill_b_url, str(self.bootstrap_b_port)]
         self._spawn("router", [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
-                               "--prefill", self.prefill_url, str(self.bootstrap_port), "--decode", self.decode_url,
+                               *prefills, "--decode", self.decode_url,
                                "--host", "127.0.0.1", "--port", str(self.router_port),
                                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.router_metrics),
                                "--worker-startup-timeout-secs", str(int(timeout_s)),
                                # one request is one room: a retry would mint a second one
-                               "--disable-retries", "--log-level", "warn"], self.env)
+                               *([] if self.retries else ["--disable-retries"]),
+                               *self.router_args, "--log-level", "warn"], self.env)
         deadline = t0 + timeout_s
-        for what, url in (("prefill", self.prefill_url), ("decode", self.decode_url), ("router", self.router)):
+        urls = [("prefill", self.prefill_url), ("decode", self.decode_url), ("router", self.router)]
+        if self.second_prefill:
+            urls.insert(1, ("prefill-b", self.prefill_b_url))
+        for what, url in urls:
             self._wait(what, lambda: http(f"{url}/health", timeout=5)[0] == 200, deadline)
         # Ready means a first request came back through the whole path (router, prefill, NIXL,
         # decode); until the router has registered both workers it answers 503.

@@ -19,7 +19,7 @@ use rootrank_store::embedded::{EmbeddedEtcd, EtcdOptions};
 use rootrank_store::etcd_client::Client;
 use serde_json::{json, Value};
 
-use crate::mass_death::{all_live, certified, totals};
+use crate::mass_death::{all_live, totals};
 use crate::procs::{Coordinator, Env};
 use crate::state::{self, KeepAlives, Put};
 use crate::util::{http_client, rss_bytes, CpuMark, Dist};
@@ -218,6 +218,118 @@ fn contains(hay: &[u8], needle: &[u8]) -> bool {
     hay.windows(needle.len()).any(|w| w == needle)
 }
 
+/// Of `groups`, those with fewer than `per_group` down certificates in etcd (the rest are
+/// fully certified).
+async fn certified_in(
+    client: &mut Client,
+    keys: &Keys,
+    gids: &[GroupId],
+    groups: Vec<usize>,
+    per_group: usize,
+) -> anyhow::Result<Vec<usize>> {
+    let mut pending = Vec::new();
+    for g in groups {
+        let prefix = format!("{}/groups/{}/ranks/", keys.prefix(), gids[g]);
+        let opts = rootrank_store::etcd_client::GetOptions::new()
+            .with_prefix()
+            .with_keys_only();
+        let r = client.get(prefix.as_str(), Some(opts)).await?;
+        let downs = r
+            .kvs()
+            .iter()
+            .filter(|kv| String::from_utf8_lossy(kv.key()).contains("/down/"))
+            .count();
+        if downs < per_group {
+            pending.push(g);
+        }
+    }
+    Ok(pending)
+}
+
+/// The incarnation a rank on a host lease names in its live record (node-watch leaves the
+/// rank's own lease id there; here a unique number: that lease, granted and left to run out,
+/// costs etcd nothing at steady state and is not simulated).
+fn host_lease_incarnation(g: usize, r: u32) -> anyhow::Result<rootrank_core::Incarnation> {
+    Ok(rootrank_core::Incarnation::new(
+        1_000_000_000_000 + (g * GROUP_SIZE) as i64 + i64::from(r),
+    )?)
+}
+
+/// What the node-watch of each host does when its rank processes die (pidfd): a down
+/// certificate per rank, create-if-absent on a retention lease, then the dead ranks' keys
+/// deleted from the host lease (`rootrank_node::host_lease::release`). One task per host.
+async fn node_watches_certify(
+    clients: Vec<Client>,
+    keys: Keys,
+    gids: Vec<GroupId>,
+    ranks: Vec<(usize, u32)>,
+    ttl_ms: u64,
+) -> anyhow::Result<()> {
+    use rootrank_store::etcd_client::{Compare, CompareOp, PutOptions, Txn, TxnOp};
+    let retention = clients[0].clone().lease_grant(24 * 3600, None).await?.id();
+    let mut by_host: std::collections::BTreeMap<String, Vec<(usize, u32)>> = Default::default();
+    for &(g, r) in &ranks {
+        by_host.entry(host_of(g, r)).or_default().push((g, r));
+    }
+    let mut tasks = Vec::new();
+    for (i, (host, ranks)) in by_host.into_iter().enumerate() {
+        let mut client = clients[i % clients.len()].clone();
+        let (keys, gids) = (keys.clone(), gids.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut release = Vec::new();
+            for (g, r) in ranks {
+                let incarnation = host_lease_incarnation(g, r)?;
+                let down = rootrank_core::RankDown {
+                    v: rootrank_core::records::SCHEMA_VERSION,
+                    group: gids[g].clone(),
+                    rank: r,
+                    incarnation,
+                    reason: rootrank_core::Reason::new("oom_host")?,
+                    detail: "OOM killer killed the rank process (simulated node-watch)".into(),
+                    source: rootrank_core::DownSource::Watchdog,
+                    at: None,
+                    exit: None,
+                    log_tail: None,
+                    host: Some(host.clone()),
+                    pid: None,
+                    observed_revision: None,
+                    registered_revision: None,
+                    lease_ttl_ms: Some(ttl_ms),
+                    group_size: Some(GROUP_SIZE as u32),
+                    role: None,
+                };
+                let key = keys.down(&gids[g], r, incarnation);
+                let put = TxnOp::put(
+                    key.as_str(),
+                    serde_json::to_vec(&down)?,
+                    Some(PutOptions::new().with_lease(retention)),
+                );
+                client
+                    .txn(
+                        Txn::new()
+                            .when([Compare::create_revision(key.as_str(), CompareOp::Equal, 0)])
+                            .and_then([put]),
+                    )
+                    .await
+                    .with_context(|| format!("certifying rank {r} of group {g}"))?;
+                release.push(TxnOp::delete(keys.live(&gids[g], r), None));
+                if let Some(k) = keys.host_copy(&host, &gids[g], r, rootrank_core::HostCopyOf::Live) {
+                    release.push(TxnOp::delete(k, None));
+                }
+            }
+            client
+                .txn(Txn::new().and_then(release))
+                .await
+                .context("releasing the dead ranks' keys")?;
+            Ok::<(), anyhow::Error>(())
+        }));
+    }
+    for t in tasks {
+        t.await.context("a node-watch task")??;
+    }
+    Ok(())
+}
+
 /// Ranks `0..8` of the groups `groups` (the first host of each).
 fn first_hosts(groups: std::ops::Range<usize>) -> Vec<(usize, u32)> {
     groups
@@ -228,7 +340,10 @@ fn first_hosts(groups: std::ops::Range<usize>) -> Vec<(usize, u32)> {
 async fn one(env: &Env, cfg: &FleetCfg, n: usize) -> anyhow::Result<Value> {
     let groups = n / GROUP_SIZE;
     let tenth_groups = (n / 10).div_ceil(HOST_RANKS);
-    if 1 + cfg.rack_hosts + tenth_groups > groups {
+    // With host leases, a second rack whose rank processes die while their hosts (and
+    // node-watches) live on: node-watch certifies each death (the 2 s goal).
+    let proc_rack_hosts = if cfg.host_lease { cfg.rack_hosts } else { 0 };
+    if 1 + cfg.rack_hosts + tenth_groups + proc_rack_hosts > groups {
         bail!(
             "{n} ranks are too few for a host, a rack of {} hosts and 10 % in distinct groups",
             cfg.rack_hosts
@@ -260,7 +375,15 @@ async fn one(env: &Env, cfg: &FleetCfg, n: usize) -> anyhow::Result<Value> {
     let host = first_hosts(0..1);
     let rack = first_hosts(1..1 + cfg.rack_hosts);
     let tenth = first_hosts(1 + cfg.rack_hosts..1 + cfg.rack_hosts + tenth_groups);
-    let failing: std::collections::HashSet<(usize, u32)> = host.iter().chain(&rack).chain(&tenth).copied().collect();
+    let proc_rack_start = 1 + cfg.rack_hosts + tenth_groups;
+    let rack_processes = first_hosts(proc_rack_start..proc_rack_start + proc_rack_hosts);
+    let failing: std::collections::HashSet<(usize, u32)> = host
+        .iter()
+        .chain(&rack)
+        .chain(&rack_processes)
+        .chain(&tenth)
+        .copied()
+        .collect();
     let rest: Vec<(usize, u32)> = (0..groups)
         .flat_map(|g| (0..GROUP_SIZE as u32).map(move |r| (g, r)))
         .filter(|x| !failing.contains(x))
@@ -280,7 +403,16 @@ async fn one(env: &Env, cfg: &FleetCfg, n: usize) -> anyhow::Result<Value> {
     let mut steady_keepalives = Vec::new();
     let mut sets = Vec::new();
     let mut lost = 0usize;
-    for (name, ranks) in [("host", &host), ("rack", &rack), ("tenth", &tenth), ("rest", &rest)] {
+    for (name, ranks) in [
+        ("host", &host),
+        ("rack", &rack),
+        ("rack_processes", &rack_processes),
+        ("tenth", &tenth),
+        ("rest", &rest),
+    ] {
+        if ranks.is_empty() {
+            continue;
+        }
         // Granted in chunks, each kept alive at once, so early leases never lapse meanwhile.
         let mut chunk_keepalives = Vec::new();
         for chunk in ranks.chunks(2_000) {
@@ -334,9 +466,7 @@ async fn one(env: &Env, cfg: &FleetCfg, n: usize) -> anyhow::Result<Value> {
                     // a unique number: the rank's own lease, granted and left to run out, costs
                     // etcd nothing at steady state and is not simulated).
                     let mut rec = rootrank_core::RankLive::parse(&value)?;
-                    rec.incarnation = Some(rootrank_core::Incarnation::new(
-                        1_000_000_000_000 + (g * GROUP_SIZE) as i64 + i64::from(r),
-                    )?);
+                    rec.incarnation = Some(host_lease_incarnation(g, r)?);
                     value = serde_json::to_vec(&rec)?;
                 }
                 if let Some(key) = keys.host_copy(&host, &gids[g], r, rootrank_core::HostCopyOf::Live) {
@@ -494,6 +624,8 @@ async fn one(env: &Env, cfg: &FleetCfg, n: usize) -> anyhow::Result<Value> {
 
     // The failures, one after the other; `down` and certificates count up across them.
     let mut failures = serde_json::Map::new();
+    // Keepalives of hosts whose rank processes died: still renewed to the end.
+    let mut living_hosts = Vec::new();
     // Ranks failed so far: each must end down on the coordinator and certified in etcd.
     let mut dead = 0usize;
     for (name, ranks, keepalives) in sets {
@@ -504,9 +636,24 @@ async fn one(env: &Env, cfg: &FleetCfg, n: usize) -> anyhow::Result<Value> {
         };
         dead += ranks.len();
         let stopped = Instant::now();
-        for k in keepalives {
-            k.stop();
-        }
+        // A whole host that dies sends nothing: its keepalives stop. Rank processes that die
+        // on a living host are certified by its node-watch (one task per host, as in
+        // production), whose host lease keeps being renewed.
+        let node_watches = if name == "rack_processes" {
+            living_hosts.extend(keepalives);
+            Some(tokio::spawn(node_watches_certify(
+                clients.clone(),
+                keys.clone(),
+                gids.clone(),
+                ranks.clone(),
+                ttl_ms,
+            )))
+        } else {
+            for k in keepalives {
+                k.stop();
+            }
+            None
+        };
         // The survivors of each group hit record the room in flight (ranks 8..16 propagated).
         let mut puts = Vec::new();
         let mut rooms = Vec::new();
@@ -522,29 +669,41 @@ async fn one(env: &Env, cfg: &FleetCfg, n: usize) -> anyhow::Result<Value> {
             rooms.push((gids[g].as_str().to_string(), room));
         }
         state::write_all(&clients, puts, 4).await?;
-        let (mut down_s, mut certified_s, mut resolved_s, mut events_s) = (None, None, None, None);
-        let mut unresolved = rooms.clone();
-        let mut culprit_in_dead_host = 0usize;
+        // Four checks, each polling on its own (one slow answer at 100,000 ranks must not
+        // delay another's reading), each timed from the stop.
         let deadline = stopped + STEP;
-        while down_s.is_none() || certified_s.is_none() || resolved_s.is_none() || events_s.is_none() {
-            if Instant::now() > deadline {
-                bail!("{name}: not all seen in {STEP:?} (down {down_s:?}, certified {certified_s:?}, resolved {resolved_s:?}, every subscriber's events {events_s:?}); logs in {}", dir.display());
-            }
-            // Every reader has every certified death so far (a death is sent once certified).
-            if events_s.is_none() && fewest_downs() >= dead as u64 {
-                events_s = Some(stopped.elapsed().as_secs_f64());
-            }
-            if down_s.is_none()
-                && totals(&http, &coordinator.url)
-                    .await
-                    .is_some_and(|t| t.1 >= dead as u64)
+        let timeout = || anyhow::anyhow!("{name}: not all seen in {STEP:?}; logs in {}", dir.display());
+        let down = async {
+            while !totals(&http, &coordinator.url)
+                .await
+                .is_some_and(|t| t.1 >= dead as u64)
             {
-                down_s = Some(stopped.elapsed().as_secs_f64());
+                if Instant::now() > deadline {
+                    return Err(timeout().context("down on the coordinator"));
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
             }
-            if certified_s.is_none() && certified(&mut clients[2].clone()).await? >= dead {
-                certified_s = Some(stopped.elapsed().as_secs_f64());
+            Ok(stopped.elapsed().as_secs_f64())
+        };
+        let certified = async {
+            let mut client = clients[2].clone();
+            let mut pending: Vec<usize> = dead_groups.clone();
+            while !pending.is_empty() {
+                if Instant::now() > deadline {
+                    return Err(timeout().context("certified in etcd"));
+                }
+                pending = certified_in(&mut client, &keys, &gids, pending, ranks.len() / dead_groups.len()).await?;
+                tokio::time::sleep(Duration::from_millis(20)).await;
             }
-            if resolved_s.is_none() {
+            Ok(stopped.elapsed().as_secs_f64())
+        };
+        let resolved = async {
+            let mut unresolved = rooms.clone();
+            let mut culprit_in_dead_host = 0usize;
+            while !unresolved.is_empty() {
+                if Instant::now() > deadline {
+                    return Err(timeout().context("rooms resolved"));
+                }
                 let mut still = Vec::new();
                 for (group, room) in unresolved {
                     let v: Value = http
@@ -566,12 +725,29 @@ async fn one(env: &Env, cfg: &FleetCfg, n: usize) -> anyhow::Result<Value> {
                     }
                 }
                 unresolved = still;
-                if unresolved.is_empty() {
-                    resolved_s = Some(stopped.elapsed().as_secs_f64());
-                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
             }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+            Ok((stopped.elapsed().as_secs_f64(), culprit_in_dead_host))
+        };
+        // Every reader has every certified death so far (a death is sent once certified).
+        let events = async {
+            while fewest_downs() < dead as u64 {
+                if Instant::now() > deadline {
+                    return Err(timeout().context("every subscriber's events"));
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Ok(stopped.elapsed().as_secs_f64())
+        };
+        let node_watches = async {
+            match node_watches {
+                Some(task) => task.await.context("the node-watches' task")?,
+                None => Ok(()),
+            }
+        };
+        let (down_s, certified_s, resolved, events_s, ()) =
+            tokio::try_join!(down, certified, resolved, events, node_watches)?;
+        let (resolved_s, culprit_in_dead_host) = resolved;
         if culprit_in_dead_host != rooms.len() {
             bail!(
                 "{name}: {} of {} rooms named a culprit outside the dead host",
@@ -593,25 +769,12 @@ async fn one(env: &Env, cfg: &FleetCfg, n: usize) -> anyhow::Result<Value> {
                 // is certified, in case its node-watch only stopped: a host that dies whole is
                 // certified TTL + etcd's lessor (<= 0.5 s) + 2 s after its last keepalive.
                 "bound_host_lease_s": ttl_s as f64 + 2.5,
+                "bound_node_watch_s": 2.0,
+                "how": if name == "rack_processes" { "rank processes died, their hosts' node-watches live and certify each death (a put per certificate, then the rank's keys deleted from the host lease)" } else { "the ranks' leases are no longer renewed (hosts that died whole)" },
             }),
         );
     }
     let (rss_after, rss_peak) = rss_bytes(coordinator.pid)?;
-    let with_rooms = if cfg.rooms > 0 {
-        with_rooms(env, &endpoints, &clients, &keys, &gids, cfg.rooms).await?
-    } else {
-        Value::Null
-    };
-    for k in steady_keepalives {
-        k.stop();
-    }
-    let watch_events = json!({
-        "host": watched_host,
-        "host_scope": host_events.load(std::sync::atomic::Ordering::Relaxed),
-        "fleet_scope": fleet_events.load(std::sync::atomic::Ordering::Relaxed),
-    });
-    host_watch.abort();
-    fleet_watch.abort();
     let most_downs = subscribers
         .iter()
         .map(|(_, d)| d.load(std::sync::atomic::Ordering::Relaxed))
@@ -620,6 +783,24 @@ async fn one(env: &Env, cfg: &FleetCfg, n: usize) -> anyhow::Result<Value> {
     let (fewest, subscribed) = (fewest_downs(), subscribers.len());
     for (task, _) in subscribers {
         task.abort();
+    }
+    let watch_events = json!({
+        "host": watched_host,
+        "host_scope": host_events.load(std::sync::atomic::Ordering::Relaxed),
+        "fleet_scope": fleet_events.load(std::sync::atomic::Ordering::Relaxed),
+    });
+    host_watch.abort();
+    fleet_watch.abort();
+    // The rooms go to a coordinator started after them (a replica's failover at that size);
+    // the first one is stopped so it does not share the 2 cores indexing them meanwhile.
+    drop(coordinator);
+    let with_rooms = if cfg.rooms > 0 {
+        with_rooms(env, &endpoints, &clients, &keys, &gids, cfg.rooms).await?
+    } else {
+        Value::Null
+    };
+    for k in steady_keepalives.into_iter().chain(living_hosts) {
+        k.stop();
     }
     Ok(json!({
         "ranks": n,

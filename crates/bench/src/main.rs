@@ -242,6 +242,9 @@ enum Cmd {
         groups: usize,
         #[arg(long, value_delimiter = ',', default_value = "1,2,4,8")]
         readers: Vec<usize>,
+        /// Records per room, 1..=8 (1: the fleet goal's rooms, each recorded by one rank).
+        #[arg(long, default_value_t = 8)]
+        per_room: u32,
         #[command(flatten)]
         out: Out,
     },
@@ -488,6 +491,7 @@ fn suite_of(cmd: Cmd) -> anyhow::Result<(Suite, &'static str, PathBuf)> {
             records,
             groups,
             readers,
+            per_room,
             out,
         } => (
             Suite {
@@ -495,6 +499,7 @@ fn suite_of(cmd: Cmd) -> anyhow::Result<(Suite, &'static str, PathBuf)> {
                     records,
                     groups,
                     readers,
+                    per_room,
                 }),
                 ..Suite::default()
             },

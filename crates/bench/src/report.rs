@@ -970,17 +970,20 @@ fn fleet_section(m: &mut String, x: &Value) {
     let ms = |v: &Value| num(&json!(f(v) / 1e3), 2);
     let _ = writeln!(
         m,
-        "\n## 14. Fleet (3-member etcd cluster, lease TTL {} s or what keeps keepalives within {}/s, groups of 16 on two hosts of 8)\n\n| ranks | etcd CPU ms/s: idle / steady (per 1,000 ranks, above idle) | keepalives/s | etcd µs per keepalive | coordinator start to `/readyz` s | coordinator RSS MiB steady / peak | verdict p50 / p99 ms | long-poll wake p50 / p99 ms | host: down / certified / rooms resolved s | rack of {}: down / certified / resolved s | 10 %: down / certified / resolved s | etcd keys a node-watch received over the run: host scope / fleet scope | rack: every one of the event subscribers has every death, s |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "\n## 14. Fleet (3-member etcd cluster, lease TTL {} s or what keeps keepalives within {}/s, groups of 16 on two hosts of 8)\n\n| ranks | etcd CPU ms/s: idle / steady (per 1,000 ranks, above idle) | keepalives/s | etcd µs per keepalive | coordinator start to `/readyz` s | coordinator RSS MiB steady / peak | verdict p50 / p99 ms | long-poll wake p50 / p99 ms | host: down / certified / rooms resolved s | rack of {}: down / certified / resolved s | its rank processes only, node-watches alive (host leases): down / certified / resolved s | 10 %: down / certified / resolved s | etcd keys a node-watch received over the run: host scope / fleet scope | rack: every one of the event subscribers has every death, s |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         x["setup"]["ttl_s"], x["setup"]["keepalive_budget_per_s"], x["setup"]["rack_ranks"]
     );
     for r in sizes {
         if let Some(e) = r["error"].as_str() {
-            let _ = writeln!(m, "| {} | failed: {e} | | | | | | | | | | | |", r["ranks"]);
+            let _ = writeln!(m, "| {} | failed: {e} | | | | | | | | | | | | |", r["ranks"]);
             continue;
         }
         let st = &r["steady"];
         let fail = |k: &str| {
             let v = &r["failures"][k];
+            if v.is_null() {
+                return "-".to_string();
+            }
             format!(
                 "{} / {} / {}",
                 num(&v["all_down_s"], 2),
@@ -990,7 +993,7 @@ fn fleet_section(m: &mut String, x: &Value) {
         };
         let _ = writeln!(
             m,
-            "| {} ({}) | {} / {} ({}) | {} | {} | {} | {} / {} | {} / {} | {} / {} | {} | {} | {} | {} / {} | {} ({}) |",
+            "| {} ({}) | {} / {} ({}) | {} | {} | {} | {} / {} | {} / {} | {} / {} | {} | {} | {} | {} | {} / {} | {} ({}) |",
             r["ranks"],
             r["ttl_s"],
             num(&st["etcd_idle_ms_per_s"], 0),
@@ -1007,6 +1010,7 @@ fn fleet_section(m: &mut String, x: &Value) {
             ms(&st["long_poll_wake"]["p99_us"]),
             fail("host"),
             fail("rack"),
+            fail("rack_processes"),
             fail("tenth"),
             r["node_watch_events"]["host_scope"],
             r["node_watch_events"]["fleet_scope"],
