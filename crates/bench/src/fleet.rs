@@ -304,12 +304,10 @@ async fn node_watches_certify(
                     serde_json::to_vec(&down)?,
                     Some(PutOptions::new().with_lease(retention)),
                 );
-                client
-                    .txn(
-                        Txn::new()
-                            .when([Compare::create_revision(key.as_str(), CompareOp::Equal, 0)])
-                            .and_then([put]),
-                    )
+                let txn = Txn::new()
+                    .when([Compare::create_revision(key.as_str(), CompareOp::Equal, 0)])
+                    .and_then([put]);
+                txn_retried(&mut client, txn)
                     .await
                     .with_context(|| format!("certifying rank {r} of group {g}"))?;
                 release.push(TxnOp::delete(keys.live(&gids[g], r), None));
@@ -317,8 +315,7 @@ async fn node_watches_certify(
                     release.push(TxnOp::delete(k, None));
                 }
             }
-            client
-                .txn(Txn::new().and_then(release))
+            txn_retried(&mut client, Txn::new().and_then(release))
                 .await
                 .context("releasing the dead ranks' keys")?;
             Ok::<(), anyhow::Error>(())
@@ -328,6 +325,25 @@ async fn node_watches_certify(
         t.await.context("a node-watch task")??;
     }
     Ok(())
+}
+
+/// A transaction retried with backoff for up to ~10 s, as node-watch's writer retries (a
+/// leader change on this loaded machine answers "leader changed" once in a while).
+async fn txn_retried(client: &mut Client, txn: rootrank_store::etcd_client::Txn) -> anyhow::Result<()> {
+    let mut wait = Duration::from_millis(50);
+    let mut tries = 0;
+    loop {
+        match client.txn(txn.clone()).await {
+            Ok(_) => return Ok(()),
+            Err(e) if tries < 10 => {
+                tries += 1;
+                tracing::debug!(error = %e, "txn failed; retrying");
+                tokio::time::sleep(wait).await;
+                wait = (wait * 2).min(Duration::from_secs(2));
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
 }
 
 /// Ranks `0..8` of the groups `groups` (the first host of each).
@@ -692,7 +708,18 @@ async fn one(env: &Env, cfg: &FleetCfg, n: usize) -> anyhow::Result<Value> {
                 if Instant::now() > deadline {
                     return Err(timeout().context("certified in etcd"));
                 }
-                pending = certified_in(&mut client, &keys, &gids, pending, ranks.len() / dead_groups.len()).await?;
+                // An etcd error (a leader change) is asked again at the next poll.
+                if let Ok(still) = certified_in(
+                    &mut client,
+                    &keys,
+                    &gids,
+                    pending.clone(),
+                    ranks.len() / dead_groups.len(),
+                )
+                .await
+                {
+                    pending = still;
+                }
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
             Ok(stopped.elapsed().as_secs_f64())
@@ -706,15 +733,26 @@ async fn one(env: &Env, cfg: &FleetCfg, n: usize) -> anyhow::Result<Value> {
                 }
                 let mut still = Vec::new();
                 for (group, room) in unresolved {
-                    let v: Value = http
-                        .get(format!(
+                    // A connection the server closed as the request went out (keep-alive
+                    // race under load) is asked again, not a failed run.
+                    let answer = async {
+                        http.get(format!(
                             "{}/v1/rooms/{room}/verdict?group={group}&view=compact",
                             coordinator.url
                         ))
                         .send()
                         .await?
-                        .json()
-                        .await?;
+                        .json::<Value>()
+                        .await
+                    };
+                    let v = match answer.await {
+                        Ok(v) => v,
+                        Err(e) => {
+                            tracing::debug!(error = %e, "verdict poll failed; asking again");
+                            still.push((group, room));
+                            continue;
+                        }
+                    };
                     if v["status"] == "resolved" {
                         // A culprit outside the dead host would be a wrong answer.
                         if v["culprit"]["rank"].as_u64().is_some_and(|r| r < HOST_RANKS as u64) {
