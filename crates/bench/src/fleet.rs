@@ -690,10 +690,7 @@ async fn one(env: &Env, cfg: &FleetCfg, n: usize) -> anyhow::Result<Value> {
         let deadline = stopped + STEP;
         let timeout = || anyhow::anyhow!("{name}: not all seen in {STEP:?}; logs in {}", dir.display());
         let down = async {
-            while !totals(&http, &coordinator.url)
-                .await
-                .is_some_and(|t| t.1 >= dead as u64)
-            {
+            while totals(&http, &coordinator.url).await.is_none_or(|t| t.1 < dead as u64) {
                 if Instant::now() > deadline {
                     return Err(timeout().context("down on the coordinator"));
                 }
