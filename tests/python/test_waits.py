@@ -4,6 +4,7 @@ etcd, a real `rootrank serve` and real Python rank processes whose scheduler-lik
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -78,6 +79,14 @@ class Events:
     """Follows /v1/events with rootrank.Coordinator.events() on a thread."""
 
     def __init__(self, url: str, since=None, group=None):
+        # From the replica's revision now, read before the caller goes on: without `since` a
+        # stream starts at its own connect, which on a busy machine came after the first rank
+        # registered (CI: a test waited for a `live` event the stream had never been sent).
+        if since is None:
+            import urllib.request
+
+            with urllib.request.urlopen(url + "/v1/groups", timeout=10) as r:
+                since = json.loads(r.read())["revision"]
         self.items: list = []
         self.stop = threading.Event()
         self.error = None
