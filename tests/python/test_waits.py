@@ -171,12 +171,13 @@ def test_a_wedged_rank_holding_the_gil_is_stalled_first_and_named_the_suspect(et
         assert "stalled" in out and "suspect" in out, out
         # Both resume: live again, healthy, events say so in revision order.
         wait_until(lambda: coordinator.http(f"/v1/health?group={g}")[0] == 200, 30, "healthy again")
-        # The stream starts at its own connect (no `since`), which may come after rank 1's
-        # first `live` on a busy machine (CI saw that): what matters is a `live` after its stall.
+        # Rank 1 live twice: registered (the reader starts before the ranks, `Events`), and
+        # live again after its stall; rank 0 live again after its own.
         wait_until(lambda: events.rank(g, 1, "stalled") and events.rank(g, 0, "stalled"), 10, "stalled events")
         stalled1, stalled0 = events.rank(g, 1, "stalled")[0], events.rank(g, 0, "stalled")[0]
         wait_until(lambda: any(e["revision"] > stalled1["revision"] for e in events.rank(g, 1, "live")),
                    10, f"rank 1 live event after its stall (events: {events.items})")
+        assert any(e["revision"] < stalled1["revision"] for e in events.rank(g, 1, "live")), events.items
         assert any(e["revision"] > stalled0["revision"] for e in events.rank(g, 0, "live")), events.items
         assert stalled1["revision"] < stalled0["revision"], events.items
         revs = [e["revision"] for e in events.items]

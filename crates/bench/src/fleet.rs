@@ -224,11 +224,11 @@ async fn certified_in(
     client: &mut Client,
     keys: &Keys,
     gids: &[GroupId],
-    groups: Vec<usize>,
+    groups: &[usize],
     per_group: usize,
 ) -> anyhow::Result<Vec<usize>> {
     let mut pending = Vec::new();
-    for g in groups {
+    for &g in groups {
         let prefix = format!("{}/groups/{}/ranks/", keys.prefix(), gids[g]);
         let opts = rootrank_store::etcd_client::GetOptions::new()
             .with_prefix()
@@ -701,33 +701,26 @@ async fn one(env: &Env, cfg: &FleetCfg, n: usize) -> anyhow::Result<Value> {
         let certified = async {
             let mut client = clients[2].clone();
             let mut pending: Vec<usize> = dead_groups.clone();
-            while !pending.is_empty() {
-                if Instant::now() > deadline {
-                    return Err(timeout().context("certified in etcd"));
-                }
+            loop {
                 // An etcd error (a leader change) is asked again at the next poll.
-                if let Ok(still) = certified_in(
-                    &mut client,
-                    &keys,
-                    &gids,
-                    pending.clone(),
-                    ranks.len() / dead_groups.len(),
-                )
-                .await
+                if let Ok(still) =
+                    certified_in(&mut client, &keys, &gids, &pending, ranks.len() / dead_groups.len()).await
                 {
                     pending = still;
                 }
+                if pending.is_empty() {
+                    return Ok(stopped.elapsed().as_secs_f64());
+                }
+                if Instant::now() > deadline {
+                    return Err(timeout().context("certified in etcd"));
+                }
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
-            Ok(stopped.elapsed().as_secs_f64())
         };
         let resolved = async {
             let mut unresolved = rooms.clone();
             let mut culprit_in_dead_host = 0usize;
-            while !unresolved.is_empty() {
-                if Instant::now() > deadline {
-                    return Err(timeout().context("rooms resolved"));
-                }
+            loop {
                 let mut still = Vec::new();
                 for (group, room) in unresolved {
                     // A connection the server closed as the request went out (keep-alive
@@ -760,9 +753,14 @@ async fn one(env: &Env, cfg: &FleetCfg, n: usize) -> anyhow::Result<Value> {
                     }
                 }
                 unresolved = still;
+                if unresolved.is_empty() {
+                    return Ok((stopped.elapsed().as_secs_f64(), culprit_in_dead_host));
+                }
+                if Instant::now() > deadline {
+                    return Err(timeout().context("rooms resolved"));
+                }
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
-            Ok((stopped.elapsed().as_secs_f64(), culprit_in_dead_host))
         };
         // Every reader has every certified death so far (a death is sent once certified).
         let events = async {
