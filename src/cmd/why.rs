@@ -124,6 +124,10 @@ pub fn render_verdict(v: &Verdict) -> String {
     if let Some(a) = &v.advice {
         out.push_str(&format!("  advice:  {a}\n"));
     }
+    // What a scheduler (or a person re-sending the request by hand) may do with it.
+    if !v.retry.why.is_empty() {
+        out.push_str(&format!("  retry:   {}\n", v.retry.why));
+    }
     out
 }
 

@@ -61,6 +61,9 @@ def test_sigkilled_rank_is_named_lease_expired_and_down(etcd, coordinator, tmp):
         v = coordinator.verdict(room, "py-kill", wait_ms=10_000)
         assert v["status"] == "resolved", v
         assert v["culprit"]["rank"] == 1 and v["culprit"]["reason"] == "lease_expired", v
+        assert v["retry"]["safe"] and [(a["group"], a["dead"]) for a in v["retry"]["avoid"]] == [("py-kill", True)], v
+        compact = coordinator.http(f"/v1/rooms/{room}/verdict?group=py-kill&view=compact")[1]
+        assert compact["retry"] == {"safe": True, "avoid": v["retry"]["avoid"]}, compact
         assert coordinator.rank_state("py-kill", 1) == "down"
 
 

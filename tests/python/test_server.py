@@ -272,6 +272,11 @@ def kill_prefill_rank1(stack: Stack, etcd, coordinator, label: str, settle_s: fl
             f"verdict: {json.dumps(v, indent=1)}")
         # The survivor died in gloo a moment after the kill: a victim, never the culprit.
         assert (pg, 0, "peer_lost") in [(x["group"], x["rank"], x["reason"]) for x in v["victims"]], v
+        # A scheduler may send the request elsewhere, never to the dead prefill instance,
+        # which it knows by the bootstrap port it was launched with.
+        retry = v["retry"]
+        assert retry["safe"] and [(a["group"], a["dead"]) for a in retry["avoid"]] == [(pg, True)], retry
+        assert any(e.endswith(f":{stack.bootstrap_port}") for e in retry["avoid"][0]["endpoints"]), retry
         assert w.returncode == 0 and f"culprit: {pg} rank 1" in w.stdout, w.stdout + w.stderr
     errors_at = sorted(r["done_at"] - killed_at for r in bad)
     seen[f"client errors ({len(bad)})"] = errors_at[0]

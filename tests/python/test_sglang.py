@@ -243,7 +243,7 @@ def test_6_sglang_unchanged_without_rootrank(tmp, setup):
         assert raised["str"] == f"KVTransferError(bootstrap_room={room}): {FALLBACK}"
         print("BEFORE:", raised["str"])
         assert "plugin active" not in logs[0] and outs[0]["plugin_stats"] == {
-            "local_published": 0, "propagated_published": 0, "peer_reported_published": 0, "fallbacks_rewritten": 0, "fallbacks_pending": 0, "fail_fast_rooms": 0, "launcher_aborted": 0, "launcher_refused": 0, "aborts_ignored": 0, "errors": 0}
+            "local_published": 0, "propagated_published": 0, "peer_reported_published": 0, "fallbacks_rewritten": 0, "fallbacks_pending": 0, "fail_fast_rooms": 0, "launcher_aborted": 0, "launcher_refused": 0, "prefill_errors_as_status": 0, "aborts_ignored": 0, "errors": 0}
     else:
         # SGLang's text with the pointer to rootrank, within the budget.
         assert raised["str"].startswith(f"KVTransferError(bootstrap_room={room}): {FALLBACK} (rootrank: pending")

@@ -32,8 +32,8 @@ pub use records::{
     DownSource, ExitInfo, Origin, Peer, RankDown, RankLive, RankStall, RecordError, RoomFailure, WindowEnd,
 };
 pub use verdict::{
-    Action, CompactCause, CompactCulprit, CompactVerdict, Culprit, CulpritSource, Evidence, EvidenceKind, PeerRef,
-    Status, Verdict, VerdictQuery, Victim,
+    Action, Avoid, CompactCause, CompactCulprit, CompactRetry, CompactVerdict, Culprit, CulpritSource, Evidence,
+    EvidenceKind, PeerRef, Retry, Status, Verdict, VerdictQuery, Victim,
 };
 pub use views::{
     CatchUp, CatchUpEvent, GroupSummary, GroupView, RankStateKind, RankView, StallRole, StallView, UnhealthyRank,

@@ -177,6 +177,39 @@ pub struct Verdict {
     pub groups: Vec<GroupId>,
     pub revision: i64,
     pub explain: String,
+    /// Whether a scheduler may send the request elsewhere, and what to avoid (an addition to
+    /// SPEC section 5: docs/contract.md, "Retry advice"). Absent in answers of older
+    /// coordinators, hence the default.
+    #[serde(default)]
+    pub retry: Retry,
+}
+
+/// A scheduler's question before it re-sends a failed request: may it, and where not to.
+/// Derived from the verdict alone (status, culprit, cause) and the endpoints the ranks
+/// published, so replicas at one revision give the same advice.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Retry {
+    /// Resolved or unknown, and not aborted on purpose: the request itself did not fail, a
+    /// rank (or something outside the groups) did. Pending is never safe: the culprit may
+    /// still be a rank of the instance the scheduler would choose.
+    pub safe: bool,
+    /// The groups not to send it to: the root cause's, and the culprit's when the culprit
+    /// died (its instance cannot serve until its group re-bootstraps). Empty when nothing is
+    /// known to be broken.
+    pub avoid: Vec<Avoid>,
+    /// One sentence for the log.
+    pub why: String,
+}
+
+/// A group a retry must not go to, with the addresses a router knows it by.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Avoid {
+    pub group: GroupId,
+    /// The endpoints its ranks published (a prefill's bootstrap `host:port`), sorted.
+    pub endpoints: Vec<String>,
+    /// A rank of it died (not only failed a transfer): the whole instance is out until it
+    /// re-bootstraps.
+    pub dead: bool,
 }
 
 /// A rank that died because a peer of its collective vanished (rule 7).
@@ -196,6 +229,15 @@ pub struct CompactVerdict {
     pub culprit: Option<CompactCulprit>,
     pub cause: Option<CompactCause>,
     pub revision: i64,
+    #[serde(default)]
+    pub retry: CompactRetry,
+}
+
+/// [`Retry`] without its sentence.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct CompactRetry {
+    pub safe: bool,
+    pub avoid: Vec<Avoid>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -233,6 +275,10 @@ impl From<&Verdict> for CompactVerdict {
                 reason: c.reason.clone(),
             }),
             revision: v.revision,
+            retry: CompactRetry {
+                safe: v.retry.safe,
+                avoid: v.retry.avoid.clone(),
+            },
         }
     }
 }
@@ -609,6 +655,7 @@ impl Index {
             explain.push_str(&self.stall_note(&groups));
         }
         let advice = culprit.as_ref().map(|c| crate::advice::advice(c, cause.as_ref()));
+        let retry = self.retry(status, action, culprit.as_ref(), cause.as_ref());
         Verdict {
             room: q.room,
             status,
@@ -621,6 +668,68 @@ impl Index {
             groups: groups.into_iter().collect(),
             revision: self.revision,
             explain,
+            retry,
+        }
+    }
+
+    /// The retry advice of a verdict (docs/contract.md, "Retry advice").
+    fn retry(&self, status: Status, action: Action, culprit: Option<&Culprit>, cause: Option<&Culprit>) -> Retry {
+        let (Status::Resolved, Some(c)) = (status, culprit) else {
+            return match status {
+                Status::Pending => Retry {
+                    safe: false,
+                    avoid: Vec::new(),
+                    why: "Not yet: the culprit is not known and may be a rank of the instance a retry would go to; ask again with wait_ms.".into(),
+                },
+                _ => Retry {
+                    safe: true,
+                    avoid: Vec::new(),
+                    why: "Safe to retry: no rank of the groups failed the room, so nothing known to avoid.".into(),
+                },
+            };
+        };
+        let root = cause.unwrap_or(c);
+        if root.reason.as_str() == "aborted" {
+            return Retry {
+                safe: false,
+                avoid: Vec::new(),
+                why: "Do not retry: the request was aborted on purpose (client, router or the other side).".into(),
+            };
+        }
+        let culprit_died = action == Action::AbortAndRestartGroup;
+        let root_dead = root.source != CulpritSource::RoomRecord || (culprit_died && c.group == root.group);
+        let mut avoid = vec![self.avoid(&root.group, root_dead)];
+        if culprit_died && c.group != root.group {
+            avoid.push(self.avoid(&c.group, true));
+        }
+        let names: Vec<String> = avoid
+            .iter()
+            .map(|a| format!("{}{}", a.group, if a.dead { " (a rank died)" } else { "" }))
+            .collect();
+        Retry {
+            safe: true,
+            why: format!(
+                "Safe to retry elsewhere: {} rank {} failed the room ({}); avoid {}.",
+                root.group,
+                root.rank,
+                root.reason,
+                names.join(" and ")
+            ),
+            avoid,
+        }
+    }
+
+    fn avoid(&self, group: &GroupId, dead: bool) -> Avoid {
+        let endpoints: BTreeSet<&String> = self
+            .ranks
+            .range((group.clone(), 0)..=(group.clone(), Rank::MAX))
+            .flat_map(|(_, state)| state.live.as_ref().or(state.history.last()))
+            .flat_map(|entry| &entry.record.endpoints)
+            .collect();
+        Avoid {
+            group: group.clone(),
+            endpoints: endpoints.into_iter().cloned().collect(),
+            dead,
         }
     }
 

@@ -247,7 +247,16 @@ class Coordinator:
     ) -> Dict[str, Any]:
         """The verdict for ``room`` (SPEC section 5), restricted to ``group`` if given. With
         ``wait_ms`` (0..=30000) the coordinator answers as soon as the verdict resolves.
-        ``timeout_s`` bounds the whole call, failover included (default: wait + 2 s)."""
+        ``timeout_s`` bounds the whole call, failover included (default: wait + 2 s).
+
+        Its ``retry`` says whether the failed request may be sent elsewhere and where not
+        (docs/contract.md, "Retry advice")::
+
+            v = coordinator.verdict(room, wait_ms=500, view="compact")
+            if v["retry"]["safe"]:
+                avoid = {e for a in v["retry"]["avoid"] for e in a["endpoints"]}
+                # send it to a prefill instance whose bootstrap host:port is not in ``avoid``
+        """
         if isinstance(room, bool) or not isinstance(room, int) or not 0 <= room <= 2**63 - 1:
             raise InvalidInput(f"room {room!r} must be an integer in 0..=2^63-1")
         if isinstance(wait_ms, bool) or not isinstance(wait_ms, int) or not 0 <= wait_ms <= MAX_WAIT_MS:

@@ -36,6 +36,7 @@ of after SGLang's own timeouts; needs ``ROOTRANK_COORDINATOR``).
 from __future__ import annotations
 
 import atexit
+import json
 import logging
 import os
 import queue
@@ -78,6 +79,12 @@ VICTIM_GRACE_S = 1.0
 # How long the launcher's event loop gets to send the requests it ended (503) before SGLang's
 # SIGQUIT handler blocks it for the crash dumps.
 LAUNCHER_ABORT_FLUSH_S = 0.5
+# How often a dying launcher ends what is still unfinished (a request that was being tokenized
+# when the scheduler died registers after the first sweep), until SGLang kills the server.
+LAUNCHER_SWEEP_S = 0.25
+# The most a prefill launcher holds of one streamed answer to turn its error into a status
+# (a prefill's answer is a few events; past this it streams on unchanged).
+PREFILL_HOLD_BYTES = 1 << 20
 # Rooms this process already published a local record for (bounded; an old room can be
 # published twice at worst, and etcd keeps the first).
 PUBLISHED_MEMORY = 65536
@@ -95,6 +102,7 @@ _stats: Dict[str, int] = {
     "fail_fast_rooms": 0,
     "launcher_aborted": 0,
     "launcher_refused": 0,
+    "prefill_errors_as_status": 0,
     "aborts_ignored": 0,
     "errors": 0,
 }
@@ -864,21 +872,59 @@ class _Plugin:
             who = "a process of this SGLang server failed"
         # From now on a new request is refused at once (the server is going down).
         self.dying_text = f"rootrank: {who}; SGLang is shutting this server down"
+        self._health_fails_now(tokenizer_manager)
+        ended = self._end_in_flight(tokenizer_manager, AbortReq)
+        logger.warning("rootrank: %s; ended %d request(s) in flight with HTTP 503 now instead of when SGLang's "
+                       "shutdown drops them, answers new ones with 503 until then, and /health with 503", who, ended)
+        try:
+            import asyncio
+
+            loop = asyncio.get_running_loop()
+
+            def sweep() -> None:
+                try:
+                    self._end_in_flight(tokenizer_manager, AbortReq)
+                except Exception:
+                    _fault("launcher sweep")
+                loop.call_later(LAUNCHER_SWEEP_S, sweep)
+
+            loop.call_later(LAUNCHER_SWEEP_S, sweep)
+        except Exception:
+            _fault("launcher sweep")
+        return self.dying_text
+
+    def _end_in_flight(self, tokenizer_manager: Any, abort_req: Any) -> int:
+        """Ends every unfinished request of the dying launcher through SGLang's own abort
+        path, with status 503 (a router retries it on another instance)."""
         ended = 0
         for rid, state in list(getattr(tokenizer_manager, "rid_to_state", {}).items()):
-            if getattr(state, "finished", True):
+            if getattr(state, "finished", True) or getattr(state, "_rootrank_ended", False):
                 continue
             room = getattr(getattr(state, "obj", None), "bootstrap_room", None)
-            text = (f"rootrank: {who}; SGLang is shutting this server down"
+            text = (f"{self.dying_text}"
                     + (f" (`rootrank why {room}` says more)" if isinstance(room, int) else ""))
-            tokenizer_manager._handle_abort_req(AbortReq(
+            tokenizer_manager._handle_abort_req(abort_req(
                 rid=rid, abort_message=text,
                 finished_reason={"type": "abort", "message": text, "status_code": 503}))
+            try:
+                state._rootrank_ended = True
+            except Exception:
+                pass
             ended += 1
         _stats["launcher_aborted"] += ended
-        logger.warning("rootrank: %s; ended %d request(s) in flight with HTTP 503 now instead of when SGLang's "
-                       "shutdown drops them, and answers new ones with 503 until then", who, ended)
-        return self.dying_text
+        return ended
+
+    @staticmethod
+    def _health_fails_now(tokenizer_manager: Any) -> None:
+        """SGLang's /health answers 503 while the server is starting; otherwise it waits up to
+        20 s for a token from the scheduler that just died, and a router's check (5 s by
+        default) times out instead of seeing the instance go."""
+        try:
+            from sglang.srt.managers.tokenizer_manager import ServerStatus
+
+            tokenizer_manager.server_status = ServerStatus.Starting
+        except Exception:
+            _fault("launcher health")
 
     def on_clean_exit(self) -> None:
         if self.dead:
@@ -1193,6 +1239,89 @@ def _around_generate_request(original: Callable[..., Any], tokenizer_manager: An
     return refused()
 
 
+def _is_prefill_launcher() -> bool:
+    try:
+        from sglang.srt.entrypoints.http_server import _global_state
+
+        args = getattr(getattr(_global_state, "tokenizer_manager", None), "server_args", None)
+        return str(getattr(args, "disaggregation_mode", "null")) == "prefill"
+    except Exception:
+        return False
+
+
+def _stream_error_status(chunk: bytes) -> Optional[int]:
+    """The 5xx status a streamed SGLang event carries: an error event (``code``) or a request
+    ended by abort (its finished reason's ``status_code``); None for anything else."""
+    if not chunk.startswith(b"data: {"):
+        return None
+    try:
+        out = json.loads(chunk[len(b"data: "):])
+    except ValueError:
+        return None
+    if not isinstance(out, dict):
+        return None
+    error = out.get("error")
+    if isinstance(error, dict):
+        code = error.get("code")
+    else:
+        reason = (out.get("meta_info") or {}).get("finish_reason") or {}
+        code = reason.get("status_code") if isinstance(reason, dict) and reason.get("type") == "abort" else None
+    return code if isinstance(code, int) and not isinstance(code, bool) and 500 <= code < 600 else None
+
+
+async def _around_serve_generate(original: Callable[..., Any], obj: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+    """In a prefill launcher, a streamed answer is held until it ends, and one that ends in a
+    5xx error (the plugin ending a request of a dying instance, or refusing a new one) becomes
+    that status. SGLang sends a stream's 200 at once, and sglang-router retries a PD request
+    on another pair only on the prefill's status, never on an error inside its body (it reads
+    the whole prefill body before the client sees anything, so holding it costs nothing:
+    docs/router.md). Anything else is left as SGLang answers it."""
+    response = await original(obj, request, *args, **kwargs)
+    try:
+        p = _plugin
+        body = getattr(response, "body_iterator", None)
+        if (p is None or not p.fail_fast or body is None or not getattr(obj, "stream", False)
+                or not _is_prefill_launcher()):
+            return response
+        from fastapi.responses import ORJSONResponse, StreamingResponse
+    except Exception:
+        _fault("prefill stream")
+        return response
+    held: List[bytes] = []
+    size = 0
+    error: Optional[Tuple[int, bytes]] = None
+    # SGLang's own generator: what it raises, it raised under SGLang's StreamingResponse too.
+    async for chunk in body:
+        chunk = chunk.encode() if isinstance(chunk, str) else bytes(chunk)
+        held.append(chunk)
+        size += len(chunk)
+        if error is None:
+            status = _stream_error_status(chunk)
+            error = (status, chunk) if status is not None else None
+        if size > PREFILL_HOLD_BYTES:
+            break
+    if error is not None and size <= PREFILL_HOLD_BYTES:
+        _stats["prefill_errors_as_status"] += 1
+        if response.background is not None:
+            await response.background()
+        status, chunk = error
+        out = json.loads(chunk[len(b"data: "):])
+        if not isinstance(out.get("error"), dict):
+            reason = (out.get("meta_info") or {}).get("finish_reason") or {}
+            out = {"error": {"message": str(reason.get("message", "")), "code": status}}
+        return ORJSONResponse(out, status_code=status)
+
+    async def replay() -> Any:
+        for c in held:
+            yield c
+        if size > PREFILL_HOLD_BYTES:
+            async for c in body:
+                yield c
+
+    return StreamingResponse(replay(), status_code=response.status_code, media_type=response.media_type,
+                             background=response.background)
+
+
 def _called_from(names: Tuple[str, ...]) -> bool:
     frame = sys._getframe(1)
     while frame is not None:
@@ -1308,6 +1437,8 @@ def _install(plugin: "_Plugin") -> None:
              _around_sigquit, HookType.AROUND)
         hook("sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request",
              _around_generate_request, HookType.AROUND)
+        # A prefill's streamed answer that ends in a 5xx error, as a status a router retries.
+        hook("sglang.srt.entrypoints.http_server.serve_generate_request", _around_serve_generate, HookType.AROUND)
     _plugin = plugin
     atexit.register(plugin.at_exit)
     try:
