@@ -1,7 +1,8 @@
 # The benchmark suite (crates/bench). Included by the root Makefile: `include mk/bench.mk`.
 #
 #   make bench         every part at full size (tens of minutes on 2 cores); writes
-#                      bench-results/results.json, results.md and latency.svg
+#                      bench-results/results.json, results.md and latency.svg; then
+#                      `make bench-survival` (a real SGLang PD server, ~30 min: bench-results/survival.json)
 #   make bench-smoke   every part at tiny sizes (seconds), same outputs in bench-results/smoke
 #
 # One part alone, with smaller sizes:
@@ -40,6 +41,7 @@ bench-build: bench-deps
 
 bench: bench-build
 	$(BENCH_BIN) all --out $(BENCH_OUT)
+	$(MAKE) bench-survival
 
 bench-smoke: bench-deps
 	cargo build --release -p rootrank-bench --bin rootrank-bench

@@ -10,8 +10,10 @@
 #   make demo-sglang   the real-server story for people: a request, then prefill rank 1
 #                      SIGKILLed with requests in flight, what clients and `rootrank why` say
 #   make bench-server  request latency and throughput through the router, plugin off and on
+#   make bench-survival two prefill instances behind the router, one prefill rank SIGKILLed
+#                      mid-load: the client requests that failed, SGLang alone and with rootrank
 
-.PHONY: wheel test-python test-server bench-python demo-sglang bench-server
+.PHONY: wheel test-python test-server bench-python demo-sglang bench-server bench-survival
 
 wheel:
 	@scripts/wheel.sh
@@ -31,6 +33,10 @@ demo-sglang: deps
 bench-server: deps
 	$(CARGO) build --bin rootrank
 	@ROOTRANK_BIN=$(ROOTRANK_DEBUG_BIN) scripts/demo-sglang.sh --bench
+
+bench-survival: deps
+	$(CARGO) build --bin rootrank
+	@ROOTRANK_BIN=$(ROOTRANK_DEBUG_BIN) scripts/demo-sglang.sh --survival
 
 bench-python: deps
 	$(CARGO) build --release --bin rootrank
