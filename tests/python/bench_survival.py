@@ -35,12 +35,10 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 from conftest import REPO, Coordinator
-from server_kit import Stack, _group_pids, generate
+from server_kit import Stack, _group_pids, failed, generate, stream_generate
 from test_server import LEASE_TTL_MS, cmdline, plugin_env, tier_etcd
 
 CLIENTS = int(os.environ.get("BENCH_SURVIVAL_CLIENTS", "8"))
@@ -63,51 +61,22 @@ def request(i: int) -> tuple[str, int]:
     return f"Request {i}: " + " ".join(words), (4, 8, 16, 32)[i % 4]
 
 
-def stream_generate(router: str, prompt: str, max_new_tokens: int) -> dict:
-    """One streamed greedy /generate through the router, as a streaming client reads it: a
-    success is status 200 and a last event that is neither an error nor an abort."""
-    t0 = time.monotonic()
-    body = json.dumps({"text": prompt, "stream": True, "sampling_params": {
-        "temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True}}).encode()
-    req = urllib.request.Request(f"{router}/generate", data=body, headers={"Content-Type": "application/json"})
-    status, last, error = None, None, None
-    try:
-        with urllib.request.urlopen(req, timeout=TIMEOUT_S) as r:
-            status = r.status
-            for line in r:
-                line = line.strip()
-                if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                    continue
-                try:
-                    last = json.loads(line[len(b"data: "):])
-                except ValueError:
-                    error = f"unreadable event: {line[:200]!r}"
-    except urllib.error.HTTPError as e:
-        status, error = e.code, e.read().decode("utf-8", "replace")[:300]
-    except Exception as e:  # a connection the router dropped is an answer too
-        error = f"{type(e).__name__}: {e}"
-    if error is None and isinstance(last, dict):
-        reason = (last.get("meta_info") or {}).get("finish_reason") or {}
-        if "error" in last:
-            error = json.dumps(last["error"])[:300]
-        elif isinstance(reason, dict) and reason.get("type") == "abort":
-            error = str(reason.get("message", "aborted"))[:300]
-    elif error is None:
-        error = "no event"
-    ok = status == 200 and error is None
-    return {"status": status, "ok": ok, "error": None if ok else (error or f"HTTP {status}"),
-            "seconds": time.monotonic() - t0, "done_at": time.monotonic()}
+def error_text(r: dict) -> str:
+    body = r["body"]
+    if isinstance(body, dict) and "error" in body:
+        text = json.dumps(body["error"])
+    elif isinstance(body, dict):
+        text = str(((body.get("meta_info") or {}).get("finish_reason") or {}).get("message", json.dumps(body)))
+    else:
+        text = str(body)
+    return f"HTTP {r['status']}: {text[:300]}"
 
 
 def one(router: str, i: int) -> dict:
     prompt, tokens = request(i)
-    if STREAM:
-        r = stream_generate(router, prompt, tokens)
-    else:
-        g = generate(router, prompt, tokens, timeout=TIMEOUT_S)
-        ok = g["status"] == 200 and isinstance(g["body"], dict)
-        r = {"status": g["status"], "ok": ok, "error": None if ok else str(g["body"])[:300],
-             "seconds": g["seconds"], "done_at": g["done_at"]}
+    r = (stream_generate if STREAM else generate)(router, prompt, tokens, timeout=TIMEOUT_S)
+    r["ok"] = not failed(r)
+    r["error"] = None if r["ok"] else error_text(r)
     r["i"] = i
     return r
 

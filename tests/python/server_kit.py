@@ -122,6 +122,43 @@ def generate(router: str, prompt: str, max_new_tokens: int = 8, timeout: float =
             "done_at": time.monotonic()}
 
 
+def stream_generate(router: str, prompt: str, max_new_tokens: int = 8, timeout: float = 300.0) -> dict:
+    """The same request streamed, as a streaming client reads it: `body` is the last event
+    (an error event's body, a 200 stream's last output) or the error text."""
+    t0 = time.monotonic()
+    data = json.dumps({"text": prompt, "stream": True, "sampling_params": {
+        "temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True}}).encode()
+    req = urllib.request.Request(f"{router}/generate", data=data, headers={"Content-Type": "application/json"})
+    status, body = None, "no event"
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            status = r.status
+            for line in r:
+                line = line.strip()
+                if line.startswith(b"data: ") and line != b"data: [DONE]":
+                    try:
+                        body = json.loads(line[len(b"data: "):])
+                    except ValueError:
+                        body = line.decode("utf-8", "replace")
+    except urllib.error.HTTPError as e:
+        status, raw = e.code, e.read()
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            body = raw.decode("utf-8", "replace")
+    except Exception as e:  # a connection the router dropped is an answer as well
+        body = f"{type(e).__name__}: {e}"
+    return {"prompt": prompt, "status": status, "body": body, "seconds": time.monotonic() - t0,
+            "done_at": time.monotonic(), "stream": True}
+
+
+def failed(r: dict) -> bool:
+    """What a client counts as failed: no 200, or a body that is an error or an abort."""
+    body = r["body"]
+    return r["status"] != 200 or not isinstance(body, dict) or "error" in body or \
+        (body.get("meta_info") or {}).get("finish_reason", {}).get("type") == "abort"
+
+
 class Stack:
     """prefill (TP=2) + decode (TP=1) + router, each in its own process group, at nice 10 (idle
     SGLang schedulers busy-poll; on 2 cores they would starve etcd and the coordinator).

@@ -1301,9 +1301,9 @@ async def _around_serve_generate(original: Callable[..., Any], obj: Any, request
         if size > PREFILL_HOLD_BYTES:
             break
     if error is not None and size <= PREFILL_HOLD_BYTES:
+        # Not SGLang's background abort: the request is already ended (and one refused before
+        # SGLang normalized it has no rid to abort: its abort_request raises).
         _stats["prefill_errors_as_status"] += 1
-        if response.background is not None:
-            await response.background()
         status, chunk = error
         out = json.loads(chunk[len(b"data: "):])
         if not isinstance(out.get("error"), dict):
