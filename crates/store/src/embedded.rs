@@ -23,6 +23,8 @@ pub enum EmbeddedError {
     Timeout { url: String, secs: u64, log: String },
     #[error("data directory {dir}: {source}")]
     DataDir { dir: String, source: std::io::Error },
+    #[error("a member of the etcd cluster exited during start-up four times, the last: {why}")]
+    ClusterMemberExited { why: String },
 }
 
 /// Tunables for a private etcd.
@@ -197,6 +199,14 @@ impl EmbeddedEtcd {
         self.child.as_ref().map(Child::id)
     }
 
+    /// Why the process exited, when it did (a port another process took between the probe
+    /// and etcd's bind, a full disk); None while it runs or after [`EmbeddedEtcd::kill`].
+    pub fn exited(&mut self) -> Option<String> {
+        let status = self.child.as_mut()?.try_wait().ok()??;
+        let log = std::fs::read_to_string(self.data_dir.join("etcd.log")).unwrap_or_default();
+        Some(format!("{status}: {}", why_etcd_exited(&log)))
+    }
+
     pub fn data_dir(&self) -> &Path {
         &self.data_dir
     }
@@ -258,9 +268,37 @@ pub fn start_cluster(
     base: &EtcdOptions,
     within: Duration,
 ) -> Result<Vec<EmbeddedEtcd>, EmbeddedError> {
+    // The ports are probed free, then bound by etcd: another process can take one in between
+    // (parallel tests), and that member exits at once. The whole cluster starts again on new
+    // ports then, a few times: a member cannot join under another name later.
+    let mut last = None;
+    for attempt in 0..4 {
+        match start_cluster_once(&dir.join(format!("try{attempt}")), n, base, within) {
+            Ok(members) => return Ok(members),
+            Err(ClusterStart::MemberExited(why)) => last = Some(why),
+            Err(ClusterStart::Failed(e)) => return Err(e),
+        }
+    }
+    Err(EmbeddedError::ClusterMemberExited {
+        why: last.unwrap_or_default(),
+    })
+}
+
+enum ClusterStart {
+    MemberExited(String),
+    Failed(EmbeddedError),
+}
+
+fn start_cluster_once(
+    dir: &Path,
+    n: usize,
+    base: &EtcdOptions,
+    within: Duration,
+) -> Result<Vec<EmbeddedEtcd>, ClusterStart> {
     let ports: Vec<(u16, u16)> = (0..n)
         .map(|_| Ok((free_port()?, free_port()?)))
-        .collect::<Result<_, EmbeddedError>>()?;
+        .collect::<Result<_, EmbeddedError>>()
+        .map_err(ClusterStart::Failed)?;
     let initial = ports
         .iter()
         .enumerate()
@@ -278,19 +316,22 @@ pub fn start_cluster(
             wait_healthy: false,
             ..base.clone()
         };
-        members.push(EmbeddedEtcd::start(&dir.join(format!("m{i}")), &opts)?);
+        members.push(EmbeddedEtcd::start(&dir.join(format!("m{i}")), &opts).map_err(ClusterStart::Failed)?);
     }
     let deadline = Instant::now() + within;
     while !members
         .iter()
         .all(|m| health_ok(&format!("127.0.0.1:{}", m.client_port())))
     {
+        if let Some(why) = members.iter_mut().find_map(EmbeddedEtcd::exited) {
+            return Err(ClusterStart::MemberExited(why));
+        }
         if Instant::now() > deadline {
-            return Err(EmbeddedError::Timeout {
+            return Err(ClusterStart::Failed(EmbeddedError::Timeout {
                 url: members.iter().map(EmbeddedEtcd::endpoint).collect::<Vec<_>>().join(","),
                 secs: within.as_secs(),
                 log: dir.display().to_string(),
-            });
+            }));
         }
         std::thread::sleep(Duration::from_millis(20));
     }
