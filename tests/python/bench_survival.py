@@ -180,7 +180,9 @@ def report(name: str, results: list, killed_at: float | None, watches: dict, rea
     a_status: dict = {}
     for _, s in a_after:
         a_status[s] = a_status.get(s, 0) + 1
-    gave_up = [(t, ln) for t, ln in watches["decode"].lines if t >= killed_at and GAVE_UP.search(ln)]
+    # "Lost connection with prefill instance ..., 0 requests affected" gives up no room.
+    gave_up = [(t, ln) for t, ln in watches["decode"].lines
+               if t >= killed_at and GAVE_UP.search(ln) and ", 0 requests affected" not in ln]
     out = {
         "side": name, "ready_s": round(ready, 1), "wall_s": round(wall, 1),
         "sent": len(results), "succeeded": len(results) - len(failed), "failed": len(failed),
