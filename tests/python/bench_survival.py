@@ -39,7 +39,7 @@ from pathlib import Path
 
 from conftest import REPO, Coordinator
 from server_kit import Stack, _group_pids, failed, generate, stream_generate
-from test_server import LEASE_TTL_MS, cmdline, plugin_env, tier_etcd
+from test_server import cmdline, plugin_env, start, tier_etcd
 
 CLIENTS = int(os.environ.get("BENCH_SURVIVAL_CLIENTS", "8"))
 REQUESTS = int(os.environ.get("BENCH_SURVIVAL_REQUESTS", "240"))
@@ -111,20 +111,9 @@ def scheduler_pid(stack: Stack, what: str, title: str) -> int:
 
 
 def side(tmp: Path, name: str, env: dict) -> dict:
-    stack = None
-    for attempt in (1, 2):  # three SGLang servers on 2 cores sometimes do not come up: once more
-        stack = Stack(tmp, name if attempt == 1 else f"{name}-again", env, second_prefill=True, retries=True,
-                      router_args=ROUTER_ARGS)
-        try:
-            ready = stack.start(timeout_s=600.0)
-            break
-        except AssertionError as e:
-            stack.stop()
-            if attempt == 2:
-                raise
-            print(f"{name}: the deployment did not come up ({str(e).splitlines()[0][:300]}); once more", flush=True)
-            time.sleep(int(LEASE_TTL_MS) / 1000 + 1)
-    assert stack is not None
+    # The tier's start: once more when three SGLang servers on 2 cores do not come up.
+    stack, ready = start(tmp, name, env, start_timeout_s=600.0, second_prefill=True, retries=True,
+                         router_args=ROUTER_ARGS)
     try:
         victim = scheduler_pid(stack, "prefill", "TP1")
         watches = {w: LogWatch(stack.tmp / f"{stack.name}-{w}.log") for w in ("prefill", "decode")}

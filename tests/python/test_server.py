@@ -115,16 +115,16 @@ def cmdline(pid: int) -> str:
         return ""
 
 
-def start(tmp: Path, name: str, env: dict, etcd=None) -> tuple:
+def start(tmp: Path, name: str, env: dict, etcd=None, start_timeout_s: float = 420.0, **stack_args) -> tuple:
     """A deployment that came up: (stack, seconds until its first request was answered). Three
     SGLang servers on 2 shared cores sometimes do not come up (the first request never comes
     back, or a rank's lease runs out while they load: a false death, said in the output). That
     is the machine, before any scenario begins: the deployment is started once more, loudly.
     A second failure fails the test."""
     for attempt in (1, 2):
-        stack = Stack(tmp, name if attempt == 1 else f"{name}-again", env)
+        stack = Stack(tmp, name if attempt == 1 else f"{name}-again", env, **stack_args)
         try:
-            ready = stack.start()
+            ready = stack.start(start_timeout_s)
             if etcd is not None:
                 groups(etcd, name)  # every rank registered and live
             return stack, ready

@@ -901,7 +901,7 @@ class _Plugin:
             if getattr(state, "finished", True) or getattr(state, "_rootrank_ended", False):
                 continue
             room = getattr(getattr(state, "obj", None), "bootstrap_room", None)
-            text = (f"{self.dying_text}"
+            text = (str(self.dying_text)
                     + (f" (`rootrank why {room}` says more)" if isinstance(room, int) else ""))
             tokenizer_manager._handle_abort_req(abort_req(
                 rid=rid, abort_message=text,
@@ -1249,9 +1249,10 @@ def _is_prefill_launcher() -> bool:
         return False
 
 
-def _stream_error_status(chunk: bytes) -> Optional[int]:
-    """The 5xx status a streamed SGLang event carries: an error event (``code``) or a request
-    ended by abort (its finished reason's ``status_code``); None for anything else."""
+def _stream_error(chunk: bytes) -> Optional[Tuple[int, Dict[str, Any]]]:
+    """The 5xx status a streamed SGLang event carries, with the event: an error event
+    (``code``) or a request ended by abort (its finished reason's ``status_code``); None for
+    anything else."""
     if not chunk.startswith(b"data: {"):
         return None
     try:
@@ -1266,7 +1267,7 @@ def _stream_error_status(chunk: bytes) -> Optional[int]:
     else:
         reason = (out.get("meta_info") or {}).get("finish_reason") or {}
         code = reason.get("status_code") if isinstance(reason, dict) and reason.get("type") == "abort" else None
-    return code if isinstance(code, int) and not isinstance(code, bool) and 500 <= code < 600 else None
+    return (code, out) if isinstance(code, int) and not isinstance(code, bool) and 500 <= code < 600 else None
 
 
 async def _around_serve_generate(original: Callable[..., Any], obj: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
@@ -1289,23 +1290,21 @@ async def _around_serve_generate(original: Callable[..., Any], obj: Any, request
         return response
     held: List[bytes] = []
     size = 0
-    error: Optional[Tuple[int, bytes]] = None
+    error: Optional[Tuple[int, Dict[str, Any]]] = None
     # SGLang's own generator: what it raises, it raised under SGLang's StreamingResponse too.
     async for chunk in body:
         chunk = chunk.encode() if isinstance(chunk, str) else bytes(chunk)
         held.append(chunk)
         size += len(chunk)
         if error is None:
-            status = _stream_error_status(chunk)
-            error = (status, chunk) if status is not None else None
+            error = _stream_error(chunk)
         if size > PREFILL_HOLD_BYTES:
             break
     if error is not None and size <= PREFILL_HOLD_BYTES:
         # Not SGLang's background abort: the request is already ended (and one refused before
         # SGLang normalized it has no rid to abort: its abort_request raises).
         _stats["prefill_errors_as_status"] += 1
-        status, chunk = error
-        out = json.loads(chunk[len(b"data: "):])
+        status, out = error
         if not isinstance(out.get("error"), dict):
             reason = (out.get("meta_info") or {}).get("finish_reason") or {}
             out = {"error": {"message": str(reason.get("message", "")), "code": status}}
