@@ -150,27 +150,22 @@ impl EmbeddedEtcd {
                 Ok(())
             });
         }
-        let mut child = cmd.spawn().map_err(EmbeddedError::Spawn)?;
+        self.child = Some(cmd.spawn().map_err(EmbeddedError::Spawn)?);
         if !self.opts.wait_healthy {
-            self.child = Some(child);
             return Ok(());
         }
         let deadline = Instant::now() + Duration::from_secs(20);
         let addr = format!("127.0.0.1:{}", self.client_port);
         loop {
-            if let Ok(Some(status)) = child.try_wait() {
-                return Err(EmbeddedError::Exited {
-                    status: status.to_string(),
-                    why: why_etcd_exited(&std::fs::read_to_string(&log_path).unwrap_or_default()),
-                    log: log_path.display().to_string(),
-                });
+            if let Some(e) = self.exited() {
+                self.child = None;
+                return Err(e);
             }
             if health_ok(&addr) {
-                break;
+                return Ok(());
             }
             if Instant::now() > deadline {
-                let _ = child.kill();
-                let _ = child.wait();
+                self.kill();
                 return Err(EmbeddedError::Timeout {
                     url: client,
                     secs: 20,
@@ -179,8 +174,6 @@ impl EmbeddedEtcd {
             }
             std::thread::sleep(Duration::from_millis(20));
         }
-        self.child = Some(child);
-        Ok(())
     }
 
     pub fn endpoint(&self) -> String {
@@ -199,12 +192,17 @@ impl EmbeddedEtcd {
         self.child.as_ref().map(Child::id)
     }
 
-    /// Why the process exited, when it did (a port another process took between the probe
-    /// and etcd's bind, a full disk); None while it runs or after [`EmbeddedEtcd::kill`].
-    pub fn exited(&mut self) -> Option<String> {
+    /// [`EmbeddedError::Exited`] once the process exited (a port another process took
+    /// between the probe and etcd's bind, a full disk); None while it runs or after
+    /// [`EmbeddedEtcd::kill`].
+    pub fn exited(&mut self) -> Option<EmbeddedError> {
         let status = self.child.as_mut()?.try_wait().ok()??;
-        let log = std::fs::read_to_string(self.data_dir.join("etcd.log")).unwrap_or_default();
-        Some(format!("{status}: {}", why_etcd_exited(&log)))
+        let log_path = self.data_dir.join("etcd.log");
+        Some(EmbeddedError::Exited {
+            status: status.to_string(),
+            why: why_etcd_exited(&std::fs::read_to_string(&log_path).unwrap_or_default()),
+            log: log_path.display().to_string(),
+        })
     }
 
     pub fn data_dir(&self) -> &Path {
@@ -275,7 +273,7 @@ pub fn start_cluster(
     for attempt in 0..4 {
         match start_cluster_once(&dir.join(format!("try{attempt}")), n, base, within) {
             Ok(members) => return Ok(members),
-            Err(ClusterStart::MemberExited(why)) => last = Some(why),
+            Err(ClusterStart::MemberExited(e)) => last = Some(e.to_string()),
             Err(ClusterStart::Failed(e)) => return Err(e),
         }
     }
@@ -285,7 +283,7 @@ pub fn start_cluster(
 }
 
 enum ClusterStart {
-    MemberExited(String),
+    MemberExited(EmbeddedError),
     Failed(EmbeddedError),
 }
 
@@ -323,8 +321,8 @@ fn start_cluster_once(
         .iter()
         .all(|m| health_ok(&format!("127.0.0.1:{}", m.client_port())))
     {
-        if let Some(why) = members.iter_mut().find_map(EmbeddedEtcd::exited) {
-            return Err(ClusterStart::MemberExited(why));
+        if let Some(e) = members.iter_mut().find_map(EmbeddedEtcd::exited) {
+            return Err(ClusterStart::MemberExited(e));
         }
         if Instant::now() > deadline {
             return Err(ClusterStart::Failed(EmbeddedError::Timeout {
